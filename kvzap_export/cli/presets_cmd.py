@@ -1,0 +1,29 @@
+"""``kvzap-export presets``: list the shipped model presets."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the resolved presets as JSON.")
+def presets(as_json: bool) -> None:
+    """List the model presets shipped with the toolkit and their dimensions."""
+    from kvzap_export.presets import list_presets, load_preset
+
+    resolved = [load_preset(name) for name in list_presets()]
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in resolved], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvzap-export presets")
+    for col in ("preset", "HF model", "layers", "hidden", "heads", "KV heads", "head dim", "MLP hidden", "τ default"):
+        table.add_column(col)
+    for p in resolved:
+        table.add_row(p.name, p.hf_id or "-", str(p.num_layers), str(p.hidden_size), str(p.num_attention_heads),
+                      str(p.num_kv_heads), str(p.head_dim), str(p.mlp_hidden_dim), f"{p.pruning.threshold:g}")
+    Console().print(table)
