@@ -1,0 +1,1 @@
+"""Command-line interface (click); each command forwards to a public function."""

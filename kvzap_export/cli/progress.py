@@ -1,0 +1,24 @@
+"""Rich progress bars for long stages; silent when quiet or when stdout carries JSON."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable[[], None]] | None]:
+    """Yields ``start(description, total) -> advance()``, or ``None`` when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bars:
+        def start(description: str, total: int) -> Callable[[], None]:
+            task = bars.add_task(description, total=total)
+            return lambda: bars.advance(task)
+
+        yield start

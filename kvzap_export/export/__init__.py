@@ -1,0 +1,1 @@
+"""ONNX exporters: per-layer surrogates and the threshold-compaction op."""

@@ -1,0 +1,1 @@
+"""Parity checks of exported artifacts against the PyTorch reference."""
