@@ -1,0 +1,27 @@
+"""Shared test configuration: hardware markers skip with a reason when the hardware is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch on this machine")
+    no_trt = pytest.mark.skip(reason="needs TensorRT (`import tensorrt`); it is not installed on this machine")
+    has_gpu = _cuda_available()
+    has_trt = importlib.util.find_spec("tensorrt") is not None
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(no_gpu)
+        if "trt" in item.keywords and not has_trt:
+            item.add_marker(no_trt)
