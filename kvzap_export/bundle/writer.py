@@ -31,8 +31,6 @@ class BundleWriter:
         out = self.out
         if out.exists() and not out.is_dir():
             raise BundleError(f"--out {out}: exists and is not a directory; choose a directory path")
-        if out.is_dir() and any(out.iterdir()) and not self.force:
-            raise BundleError(f"--out {out}: directory is not empty; pass --force to replace it or choose another path")
         parent = out.parent
         if not parent.is_dir():
             raise BundleError(f"--out {out}: parent directory {parent} does not exist; create it first")
@@ -51,6 +49,9 @@ class BundleWriter:
             raise BundleError(f"--out {self.out}: another kvzap-export run is writing this bundle (lock {lock_path}); wait for it") from None
         except OSError as exc:
             raise BundleError(f"--out {self.out}: cannot create lock file {lock_path} ({exc.strerror})") from None
+        if self.out.is_dir() and any(self.out.iterdir()) and not self.force:
+            self._release()
+            raise BundleError(f"--out {self.out}: directory is not empty; pass --force to replace it or choose another path")
         # We hold the lock: any temporary sibling left for this --out is from a dead run.
         for stale in self.out.parent.glob(f".{self.out.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)

@@ -18,7 +18,9 @@ from kvzap_export.errors import KvzapError
 # name -> "module:attribute" of a click command; imported only when that command runs.
 COMMANDS: dict[str, str] = {
     "export": "kvzap_export.cli.export_cmd:export",
+    "inspect": "kvzap_export.cli.bundle_cmd:inspect",
     "presets": "kvzap_export.cli.presets_cmd:presets",
+    "verify": "kvzap_export.cli.bundle_cmd:verify",
 }
 
 
@@ -73,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvzapError as exc:
         click.echo(f"error: {exc}", err=True)
         return exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        # click turns Ctrl-C into Abort; the bundle writer has already removed its temporary directory.
         click.echo("interrupted: nothing was written (an existing bundle is untouched)", err=True)
         return 130
     except click.ClickException as exc:

@@ -1,0 +1,121 @@
+"""``verify``: is this bundle exactly what its manifest says? Every problem is collected, not just the first."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvzap_export.bundle.manifest import read_manifest, sha256_file
+from kvzap_export.errors import KvzapError
+
+_ONNX_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}
+
+
+def _io_of(model) -> tuple[dict, dict]:
+    def spec(values):
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            out[v.name] = [_ONNX_TYPES.get(t.elem_type, str(t.elem_type)), [d.dim_param or d.dim_value for d in t.shape.dim]]
+        return out
+
+    return spec(model.graph.input), spec(model.graph.output)
+
+
+def _check_onnx(bundle: Path, artifact: dict, problems: list[str]) -> None:
+    import onnx
+
+    path = bundle / artifact["path"]
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except Exception as exc:  # onnx raises several unrelated types for a corrupt file
+        problems.append(f"{artifact['path']}: not a valid ONNX model ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+        return
+    inputs, outputs = _io_of(model)
+    for kind, declared, actual in (("inputs", artifact.get("inputs", {}), inputs), ("outputs", artifact.get("outputs", {}), outputs)):
+        if list(declared) != list(actual):
+            problems.append(f"{artifact['path']}: {kind} {list(actual)} but the manifest declares {list(declared)}")
+            continue
+        for name, (dtype, shape) in declared.items():
+            got_dtype, got_shape = actual[name]
+            if got_dtype != dtype or [str(d) for d in got_shape] != [str(d) for d in shape]:
+                problems.append(f"{artifact['path']}: {name} is {got_dtype}{got_shape}, the manifest declares {dtype}{shape}")
+    layer = artifact.get("layer")
+    meta = {p.key: p.value for p in model.metadata_props}
+    if layer is not None and "kvzap.layer" in meta and meta["kvzap.layer"] != str(layer):
+        problems.append(f"{artifact['path']}: graph is layer {meta['kvzap.layer']}, the manifest says layer {layer}")
+
+
+def _check_surrogate(bundle: Path, manifest: dict, problems: list[str]) -> None:
+    from kvzap_export.surrogate.loader import check_against_preset, read_config
+    from kvzap_export.presets import Preset
+
+    model = manifest["model"]
+    try:
+        preset = Preset(name=model["preset"], hidden_size=model["hidden_size"], num_layers=model["num_layers"],
+                        num_attention_heads=model["num_attention_heads"], num_kv_heads=model["num_kv_heads"], head_dim=model["head_dim"])
+        cfg = read_config(bundle / manifest["surrogate"].get("path", "surrogate"))
+        check_against_preset(cfg, preset, bundle / "surrogate")
+    except KvzapError as exc:
+        problems.append(f"surrogate: {exc}")
+        return
+    if cfg.variant != manifest["surrogate"]["variant"]:
+        problems.append(f"surrogate: checkpoint is {cfg.variant}, the manifest says {manifest['surrogate']['variant']}")
+
+
+def _check_engines(bundle: Path, manifest: dict, problems: list[str]) -> None:
+    """Engines are tied to a TensorRT version and GPU; check them only where TensorRT can tell."""
+    engines = [a for a in manifest.get("artifacts", []) if a.get("kind") == "trt_engine"]
+    recorded = manifest.get("tools", {}).get("tensorrt")
+    if not engines:
+        return
+    try:
+        import tensorrt as trt
+    except ModuleNotFoundError:
+        return
+    if recorded and trt.__version__ != recorded:
+        problems.append(f"engines were built with TensorRT {recorded}, this machine has {trt.__version__}; rebuild with `kvzap-export build`")
+    gpu = manifest.get("build", {}).get("gpu")
+    if gpu:
+        try:
+            import torch
+
+            here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        except ModuleNotFoundError:
+            here = None
+        if here and here != gpu:
+            problems.append(f"engines were built for GPU {gpu!r}, this machine has {here!r}; rebuild with `kvzap-export build`")
+
+
+def verify_bundle(bundle: str | os.PathLike) -> list[str]:
+    """Returns every problem found (empty list: the bundle is intact and consistent)."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)  # raises BundleError for unreadable / wrong schema
+    problems: list[str] = []
+    files = manifest.get("files", {})
+    for relative, digest in files.items():
+        path = bundle / relative
+        if not path.is_file():
+            problems.append(f"{relative}: missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{relative}: sha256 mismatch (file changed after export)")
+    present = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()}
+    for relative in sorted(present - set(files) - {"manifest.json"}):
+        if not relative.startswith(("report/", "engines/")):
+            problems.append(f"{relative}: not listed in the manifest")
+    for artifact in manifest.get("artifacts", []):
+        if not (bundle / artifact["path"]).is_file():
+            if artifact["path"] not in files:
+                problems.append(f"{artifact['path']}: missing")
+            continue
+        if files.get(artifact["path"]) != artifact.get("sha256"):
+            problems.append(f"{artifact['path']}: artifact sha256 disagrees with the file list")
+        if artifact["path"].endswith(".onnx"):
+            _check_onnx(bundle, artifact, problems)
+    layers = sorted(a["layer"] for a in manifest.get("artifacts", []) if a.get("kind") == "surrogate_layer")
+    if layers != list(range(manifest["model"]["num_layers"])):
+        problems.append(f"surrogate layers {layers[:5]}... do not cover the model's {manifest['model']['num_layers']} layers")
+    _check_surrogate(bundle, manifest, problems)
+    _check_engines(bundle, manifest, problems)
+    return problems

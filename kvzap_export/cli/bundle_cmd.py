@@ -1,0 +1,70 @@
+"""``kvzap-export inspect`` and ``kvzap-export verify``."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvzap_export.errors import BundleError
+
+
+@click.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as JSON.")
+def verify(bundle: str, as_json: bool) -> None:
+    """Check a bundle: schema, every sha256, every ONNX graph and its I/O, the surrogate's dimensions.
+
+    Exits 0 when the bundle is intact, 2 listing every problem otherwise.
+    """
+    from kvzap_export.bundle.verify import verify_bundle
+
+    problems = verify_bundle(bundle)
+    if as_json:
+        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems}, indent=2))
+    elif not problems:
+        click.echo(f"✓ {bundle}: intact")
+    if problems:
+        if not as_json:
+            for problem in problems:
+                click.echo(f"✗ {problem}", err=True)
+        raise BundleError(f"{bundle}: {len(problems)} problem(s) found; re-export the bundle")
+
+
+@click.command()
+@click.argument("bundle", type=click.Path())
+def inspect(bundle: str) -> None:
+    """Summarize a bundle: model, surrogate, pruning, artifacts, tools and parity results."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvzap_export.bundle.manifest import read_manifest
+
+    m = read_manifest(bundle)
+    console = Console()
+    model, sur, pruning = m["model"], m["surrogate"], m["pruning"]
+    head = Table(title=f"kvzap-export bundle {bundle}", show_header=False)
+    head.add_row("model", f"{model['preset']} ({model.get('hf_id') or '-'}): {model['num_layers']} layers, hidden "
+                          f"{model['hidden_size']}, {model['num_attention_heads']} heads / {model['num_kv_heads']} KV heads × {model['head_dim']}")
+    head.add_row("surrogate", f"{sur['variant']} (hidden {sur.get('hidden_dim') or '-'}) from {sur['source']}")
+    head.add_row("pruning", f"τ = {pruning['threshold']:g}, window {pruning['window']}, sink {pruning['sink']}")
+    head.add_row("graphs", f"{m['dtype']}, opset {m['opset']}, written by kvzap-export {m['kvzap_export_version']}")
+    tools = ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items() if v)
+    head.add_row("tools", tools + ("" if m.get("tools", {}).get("tensorrt") else "; TensorRT: none"))
+    console.print(head)
+    kinds: dict[str, int] = {}
+    for artifact in m["artifacts"]:
+        kinds[artifact["kind"]] = kinds.get(artifact["kind"], 0) + 1
+    arts = Table(title="artifacts")
+    arts.add_column("kind")
+    arts.add_column("count")
+    for kind, count in kinds.items():
+        arts.add_row(kind, str(count))
+    console.print(arts)
+    if m.get("parity"):
+        checks = Table(title="parity")
+        checks.add_column("check")
+        checks.add_column("status")
+        for name, check in m["parity"].items():
+            checks.add_row(name, str(check.get("status")))
+        console.print(checks)
