@@ -150,7 +150,6 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
     """Exports a bundle into ``options.out`` atomically; returns its manifest."""
     from kvzap_export.export.surrogate_onnx import export_surrogate
     from kvzap_export.surrogate import load_surrogate, resolve_weights
-    from kvzap_export.validate.operator import check_surrogate_layers
 
     progress = progress or _noop_progress
     resolved = resolve(options)
@@ -163,13 +162,16 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             surrogate.save(writer.path("surrogate"))
             advance = progress(f"export {num_layers} {resolved.variant} layers → ONNX ({resolved.dtype})", num_layers)
             manifest["artifacts"] += export_surrogate(surrogate, writer.tmp, resolved.dtype, resolved.opset, on_layer=lambda _l: advance())
-            if options.check:
-                advance = progress("check ONNX Runtime vs PyTorch", num_layers)
-                manifest["parity"]["surrogate_onnx_vs_torch"] = check_surrogate_layers(
-                    writer.tmp, manifest["artifacts"], surrogate, resolved.dtype, on_layer=lambda _l: advance()
-                )
             manifest["rebuild"] = rebuild_commands(manifest)
             _write_rebuild_script(writer.path("rebuild.sh"), manifest["rebuild"])
+            if options.check:
+                manifest["parity"] = _validate_stage(writer, manifest, options, progress)
+                if not manifest["parity"]["passed"]:
+                    # A bundle that fails parity is never shipped; the existing one (if any) stays.
+                    raise BundleError(
+                        f"validation failed ({', '.join(manifest['parity']['failed'])}); nothing was written. "
+                        f"Re-run with --no-validate, then `kvzap-export validate {options.out}` to read the report"
+                    )
             writer.commit(manifest)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -180,9 +182,41 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
     return manifest
 
 
+def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, progress) -> dict[str, Any]:
+    """Runs ``validate`` on the bundle under construction; the manifest records the summary."""
+    from kvzap_export.bundle.manifest import section_digests, write_json_durably
+    from kvzap_export.validate.run import validate_bundle
+
+    manifest["integrity"] = section_digests(manifest)
+    write_json_durably(writer.tmp / "manifest.json", manifest)  # validate reads the bundle as a user would
+    report = validate_bundle(writer.tmp, model=options.extra.get("validate_model"),
+                             model_level=options.extra.get("model_level", True), progress=progress,
+                             display_name=str(options.out))
+    return {
+        "passed": report["passed"],
+        "failed": report["failed"],
+        "checks": {c["name"]: c["status"] for c in report["checks"] if not c["name"].startswith("operator:surrogate_layer_")},
+        "surrogate_layers": _layer_summary(report),
+        "report": "report/parity.md",
+    }
+
+
+def _layer_summary(report: dict) -> dict[str, Any]:
+    layers = [c for c in report["checks"] if c["name"].startswith("operator:surrogate_layer_")]
+    statuses = {c["status"] for c in layers}
+    return {
+        "status": "failed" if "failed" in statuses else ("passed" if "passed" in statuses else "skipped"),
+        "count": len(layers),
+        "max_abs_error": max((c["detail"].get("max_abs_error", 0.0) for c in layers), default=0.0),
+        "failed": [c["name"] for c in layers if c["status"] == "failed"],
+    }
+
+
 def summary(manifest: dict[str, Any]) -> dict[str, Any]:
     """The machine-readable summary ``--json`` prints."""
-    parity = {name: check.get("status") for name, check in manifest.get("parity", {}).items()}
+    parity = dict(manifest.get("parity", {}).get("checks", {}))
+    if "surrogate_layers" in manifest.get("parity", {}):
+        parity["operator:surrogate_layers"] = manifest["parity"]["surrogate_layers"]["status"]
     return {
         "out": manifest.get("out"),
         "model": manifest["model"]["preset"],

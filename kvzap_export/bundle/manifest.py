@@ -40,6 +40,27 @@ def tool_versions() -> dict[str, str | None]:
     return versions
 
 
+# Sections whose content decides what the bundle does; their digests are recorded at export so an
+# edit made afterwards (say, of pruning.threshold) is caught by verify/validate.
+INTEGRITY_SECTIONS = ("model", "surrogate", "pruning", "dtype", "opset", "artifacts")
+
+
+def section_digests(manifest: dict[str, Any]) -> dict[str, str]:
+    return {
+        key: hashlib.sha256(json.dumps(manifest.get(key), sort_keys=True).encode()).hexdigest()
+        for key in INTEGRITY_SECTIONS
+    }
+
+
+def integrity_problems(manifest: dict[str, Any]) -> list[str]:
+    recorded = manifest.get("integrity")
+    if not isinstance(recorded, dict):
+        return ["manifest has no integrity digests; re-export the bundle"]
+    now = section_digests(manifest)
+    return [f"manifest section '{key}' was edited after export (digest mismatch)" for key in INTEGRITY_SECTIONS
+            if recorded.get(key) != now[key]]
+
+
 def write_json_durably(path: Path, data: Any) -> None:
     """Writes JSON and fsyncs it, so a crash right after cannot leave a truncated manifest."""
     payload = json.dumps(data, indent=2) + "\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvzap_export.bundle.manifest import read_manifest, sha256_file
+from kvzap_export.bundle.manifest import integrity_problems, read_manifest, sha256_file
 from kvzap_export.errors import KvzapError
 
 _ONNX_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}
@@ -92,7 +92,7 @@ def verify_bundle(bundle: str | os.PathLike) -> list[str]:
     """Returns every problem found (empty list: the bundle is intact and consistent)."""
     bundle = Path(bundle)
     manifest = read_manifest(bundle)  # raises BundleError for unreadable / wrong schema
-    problems: list[str] = []
+    problems: list[str] = integrity_problems(manifest)
     files = manifest.get("files", {})
     for relative, digest in files.items():
         path = bundle / relative

@@ -62,9 +62,11 @@ def inspect(bundle: str) -> None:
         arts.add_row(kind, str(count))
     console.print(arts)
     if m.get("parity"):
-        checks = Table(title="parity")
+        from kvzap_export.pipeline import summary
+
+        checks = Table(title=f"parity at export ({m['parity'].get('report', 'report/parity.md')})")
         checks.add_column("check")
         checks.add_column("status")
-        for name, check in m["parity"].items():
-            checks.add_row(name, str(check.get("status")))
+        for name, status in summary(m)["parity"].items():
+            checks.add_row(name, str(status))
         console.print(checks)

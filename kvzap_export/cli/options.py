@@ -22,6 +22,11 @@ PIPELINE_OPTIONS = [
     click.option("--sink", default=None, type=int, help="First tokens always kept (our extension; 0 = kvpress semantics)."),
     click.option("--max-tokens", default=8192, show_default=True, type=int,
                  help="Largest token count per surrogate call that TensorRT profiles will cover."),
+    click.option("--no-validate", is_flag=True,
+                 help="Skip the validation stage (then run `kvzap-export validate DIR` yourself)."),
+    click.option("--validate-model", default=None, metavar="PRESET|PATH",
+                 help="Model used by the validation stage for real hidden states and generation (default: the preset's "
+                      "own when the toolkit ships it offline)."),
     click.option("--force", is_flag=True, help="Replace a non-empty --out."),
     click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary table."),
     click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary as JSON on stdout."),

@@ -1,0 +1,47 @@
+"""``kvzap-export validate``: the parity verdict a CI gate can trust."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--backends", default="torch,onnxrt", show_default=True,
+              help="Comma-separated backends compared with the PyTorch reference: torch, onnxrt, trt "
+                   "(trt needs TensorRT, a GPU and engines from `kvzap-export build`).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Device of the PyTorch reference and the model-level run.")
+@click.option("--model", default=None, metavar="PRESET|PATH",
+              help="Model for real hidden states and the model-level check: a local HF model directory, or a preset the "
+                   "toolkit ships offline (default: the bundle's preset when it is one, e.g. smollm2-135m).")
+@click.option("--no-model-level", is_flag=True, help="Skip the model-level generation check (operator and decision levels only).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def validate(bundle, backends, device, model, no_model_level, quiet, as_json) -> None:
+    """Validate a bundle against the PyTorch reference at three levels.
+
+    \b
+    1. operator: every artifact vs the reference, on random and real hidden states, shapes that differ
+       from the export shapes; max abs/rel error per output (compaction graphs: exact);
+    2. decision: keep-mask agreement and unexplained flips (disagreements far from τ);
+    3. model: the real model generating with a physically compacted KV cache vs kvpress's masked run.
+    Writes BUNDLE/report/parity.{json,md} and plots; exits 2 listing the failed checks.
+    """
+    from kvzap_export.cli.progress import progress_bars
+    from kvzap_export.errors import KvzapError
+    from kvzap_export.validate.run import parse_backends, validate_bundle
+
+    chosen = parse_backends(backends)
+    with progress_bars(enabled=not (quiet or as_json)) as progress:
+        report = validate_bundle(bundle, chosen, device=device, model=model, model_level=not no_model_level, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=float))
+    elif not quiet:
+        from pathlib import Path
+
+        click.echo((Path(bundle) / "report" / "parity.md").read_text(), err=True)
+    if not report["passed"]:
+        raise KvzapError(f"validation failed: {', '.join(report['failed'])}; see {bundle}/report/parity.md")

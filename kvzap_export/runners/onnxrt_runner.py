@@ -1,0 +1,45 @@
+"""ONNX Runtime (CPU) runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvzap_export.runners.base import Metadata, Runner
+
+_NP_OF_ORT = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(bool)": "bool"}
+
+
+class OnnxrtRunner(Runner):
+    """Runs an ONNX file on ONNX Runtime's CPU provider; ``custom_ops`` registers our plugin-node kernels."""
+
+    backend = "onnxrt"
+
+    def __init__(self, path: str | Path, name: str | None = None, custom_ops: bool = False):
+        super().__init__(name or f"onnxrt:{Path(path).name}")
+        self.path = Path(path)
+        self.custom_ops = custom_ops
+        self.session = None
+
+    def activate_impl(self) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if self.custom_ops:
+            from kvzap_export.runners.onnxrt import register_custom_ops
+
+            register_custom_ops(options)
+        self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+
+    def get_input_metadata_impl(self) -> Metadata:
+        return {i.name: (_NP_OF_ORT.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()}
+
+    def infer_impl(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(names, feed)))
+
+    def deactivate_impl(self) -> None:
+        self.session = None

@@ -1,0 +1,101 @@
+"""TensorRT runner (TensorRT 10.x / 11.x Python API), for bundles whose engines were built.
+
+TensorRT is imported lazily and only here; without it, constructing the runner raises
+``MissingDependencyError``. Buffers are torch CUDA tensors, so no pycuda/cuda-python is needed.
+This runner has never executed on the machines this project is developed on (no TensorRT there);
+its API names are checked against the real TensorRT 11 bindings in tests/build.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvzap_export.errors import MissingDependencyError
+from kvzap_export.runners.base import Metadata, Runner
+
+_NP_OF_TRT = {"FLOAT": "float32", "HALF": "float16", "BF16": "float32", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ModuleNotFoundError:
+        raise MissingDependencyError(
+            "TensorRT is not installed: `pip install tensorrt` (from NVIDIA's package index) on a machine with a GPU"
+        ) from None
+    return trt
+
+
+class TrtRunner(Runner):
+    """Deserializes an engine plan and runs it with ``execute_async_v3`` on the current CUDA stream."""
+
+    backend = "trt"
+
+    def __init__(self, engine_path: str | Path, name: str | None = None, plugin_libraries: tuple[str, ...] = ()):
+        super().__init__(name or f"trt:{Path(engine_path).name}")
+        self.engine_path = Path(engine_path)
+        self.plugin_libraries = plugin_libraries
+        self.trt = import_tensorrt()
+        self.engine = None
+        self.context = None
+
+    def activate_impl(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MissingDependencyError("TensorRT engines need a CUDA GPU; none is visible to torch")
+        trt = self.trt
+        logger = trt.Logger(trt.Logger.WARNING)
+        registry = trt.get_plugin_registry()
+        for library in self.plugin_libraries:
+            registry.load_library(str(library))
+        runtime = trt.Runtime(logger)
+        self.engine = runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
+        if self.engine is None:
+            raise MissingDependencyError(f"{self.engine_path}: TensorRT could not deserialize this engine (built for another version or GPU?)")
+        self.context = self.engine.create_execution_context()
+
+    def _io_names(self, mode) -> list[str]:
+        engine = self.engine
+        return [engine.get_tensor_name(i) for i in range(engine.num_io_tensors) if engine.get_tensor_mode(engine.get_tensor_name(i)) == mode]
+
+    def get_input_metadata_impl(self) -> Metadata:
+        trt = self.trt
+        meta = {}
+        for name in self._io_names(trt.TensorIOMode.INPUT):
+            dtype = _NP_OF_TRT.get(self.engine.get_tensor_dtype(name).name, "float32")
+            shape = [d if d >= 0 else f"dim{i}" for i, d in enumerate(self.engine.get_tensor_shape(name))]
+            meta[name] = (dtype, shape)
+        return meta
+
+    def infer_impl(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        trt = self.trt
+        stream = torch.cuda.current_stream()
+        keep_alive = []
+        for name, array in feed.items():
+            tensor = torch.from_numpy(np.ascontiguousarray(array)).cuda()
+            if self.engine.get_tensor_dtype(name) == trt.DataType.BF16:
+                tensor = tensor.to(torch.bfloat16)
+            keep_alive.append(tensor)
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        outputs = {}
+        for name in self._io_names(trt.TensorIOMode.OUTPUT):
+            shape = tuple(self.context.get_tensor_shape(name))
+            torch_dtype = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
+                           "INT64": torch.int64, "BOOL": torch.bool}[self.engine.get_tensor_dtype(name).name]
+            out = torch.empty(shape, dtype=torch_dtype, device="cuda")
+            self.context.set_tensor_address(name, out.data_ptr())
+            outputs[name] = out
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError(f"TensorRT execution failed for {self.engine_path}")
+        stream.synchronize()
+        return {k: (v.float() if v.dtype == torch.bfloat16 else v).cpu().numpy() for k, v in outputs.items()}
+
+    def deactivate_impl(self) -> None:
+        self.context = None
+        self.engine = None

@@ -1,0 +1,105 @@
+"""Operator-level checks of the compaction graphs: decisions must match the reference exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
+from kvzap_export.runners.torch_ref import TorchRunner
+from kvzap_export.validate.compare import compare_outputs, exact
+
+SHAPES = ((2, 300), (1, 1000), (3, 17))  # (batch, seq); differ from the export sample
+
+
+def _scores(batch: int, heads: int, seq: int, dtype: str, threshold: float, gen: torch.Generator) -> np.ndarray:
+    s = torch.randn(batch, heads, seq, generator=gen) * 2 + threshold
+    s[..., ::37] = threshold  # ties with τ: strict < keeps them
+    s[..., 5::101] = float("nan")  # NaN is kept
+    s[..., 7::103] = float("-inf")
+    np_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+    return s.numpy().astype(np_dtype)
+
+
+def _feeds(manifest: dict, heads: int, dtype: str) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    tau = float(manifest["pruning"]["threshold"])
+    feeds = []
+    for batch, seq in SHAPES:
+        lengths = torch.randint(1, seq + 1, (batch,), generator=gen).to(torch.int32)
+        lengths[0] = seq
+        feeds.append({"scores": _scores(batch, heads, seq, dtype, tau, gen), "lengths": lengths.numpy(),
+                      "threshold": np.array(tau, dtype=np.float32), "window": np.array(manifest["pruning"]["window"], dtype=np.int32)})
+    return feeds
+
+
+def _reference_compaction(sink: int, dtype: str):
+    from kvzap_export.ops import threshold_compaction
+
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+    def run(scores, lengths, threshold, window):
+        return threshold_compaction(scores.to(torch_dtype), lengths, float(threshold), int(window), sink)
+
+    return run
+
+
+def _reference_kv():
+    from kvzap_export.ops import kv_compaction
+
+    return lambda keys, values, indices: kv_compaction(keys, values, indices)
+
+
+def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
+    from kvzap_export.validate.run import Check
+
+    checks = []
+    heads = manifest["model"]["num_kv_heads"]
+    dtype = manifest["dtype"]
+    sink = manifest["pruning"]["sink"]
+    for artifact in manifest["artifacts"]:
+        kind = artifact["kind"]
+        if kind not in ("threshold_compaction", "threshold_compaction_plugin", "kv_compaction"):
+            continue
+        if "onnxrt" not in backends:
+            checks.append(Check(f"operator:{kind}", "operator", "skipped", {"reason": "onnxrt backend not requested"}))
+            continue
+        if kind == "kv_compaction":
+            feeds, ref_fn, outputs = _kv_feeds(manifest, heads), _reference_kv(), ["keys_out", "values_out"]
+        else:
+            feeds, ref_fn, outputs = _feeds(manifest, heads, dtype), _reference_compaction(sink, dtype), ["keep", "counts", "indices"]
+        meta = {k: (str(v.dtype), list(v.shape)) for k, v in feeds[0].items()}
+        mismatches, failed = 0, []
+        runner = OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"))
+        with runner:
+            for feed in feeds:
+                reference = TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs)
+                with reference:
+                    ref = reference.infer(feed)
+                for result in compare_outputs(ref, runner.infer(feed), exact(), exact()):
+                    mismatches += max(result.mismatches, 0)
+                    if not result.passed:
+                        failed.append(result.output)
+        checks.append(Check(f"operator:{kind}", "operator", "failed" if failed else "passed",
+                            {"artifact": artifact["path"], "shapes": [list(f[next(iter(meta))].shape) for f in feeds],
+                             "mismatches": mismatches, "comparison": "exact", **({"failed": sorted(set(failed))} if failed else {})}))
+    return checks
+
+
+def _kv_feeds(manifest: dict, heads: int) -> list[dict]:
+    from kvzap_export.ops import threshold_compaction
+
+    gen = torch.Generator().manual_seed(2)
+    head_dim = manifest["model"]["head_dim"]
+    feeds = []
+    for batch, seq in SHAPES[:2]:
+        scores = torch.randn(batch, heads, seq, generator=gen)
+        lengths = torch.full((batch,), seq, dtype=torch.int32)
+        indices = threshold_compaction(scores, lengths, 0.0, 16).indices
+        np_dtype = np.float32 if manifest["dtype"] == "bfloat16" else np.dtype(manifest["dtype"])
+        keys = torch.randn(batch, heads, seq, head_dim, generator=gen).numpy().astype(np_dtype)
+        values = torch.randn(batch, heads, seq, head_dim, generator=gen).numpy().astype(np_dtype)
+        feeds.append({"keys": keys, "values": values, "indices": indices.numpy()})
+    return feeds
