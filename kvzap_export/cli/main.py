@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         # click turns Ctrl-C into Abort; the bundle writer has already removed its temporary directory.
         click.echo("interrupted: nothing was written (an existing bundle is untouched)", err=True)
         return 130
+    except click.UsageError as exc:
+        # One line, like every other user error, with where to read more.
+        command = exc.ctx.command_path if exc.ctx is not None else "kvzap-export"
+        click.echo(f"error: {exc.format_message()} (see `{command} --help`)", err=True)
+        return 2
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"error: {exc.format_message()}", err=True)
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code

@@ -122,7 +122,10 @@ def test_unsupported_dtype(small, tmp_path, capsys, dtype):
 
 
 @pytest.mark.parametrize("args, needle", [(["--opset", "17"], "--opset 17"), (["--window", "0"], "--window 0"),
-                                          (["--threshold", "nan"], "--threshold nan"), (["--sink", "-1"], "--sink -1")])
+                                          (["--window", str(2**30)], "--window 1073741824"),
+                                          (["--threshold", "nan"], "--threshold nan"), (["--threshold", "inf"], "--threshold inf"),
+                                          (["--threshold", "abc"], "'abc' is not a valid float"),
+                                          (["--sink", "-1"], "--sink -1"), (["--variant", "cnn"], "'cnn' is not one of")])
 def test_bad_numbers(small, tmp_path, capsys, args, needle):
     preset, weights = small
     code, err = _run(["--model", preset, "--weights", weights, "--out", tmp_path / "out", *args], capsys)
@@ -151,6 +154,16 @@ def test_unwritable_out(small, read_only_dir, capsys):
     code, err = _run(["--model", preset, "--weights", weights, "--out", read_only_dir / "engine"], capsys)
     _assert_one_line_error(code, err, "write")
     assert list(read_only_dir.iterdir()) == []
+
+
+def test_missing_out_is_a_usage_error(capsys):
+    code, err = _run(["--model", "llama-3.1-8b"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1] == "error: the pipeline needs both --model and --out (see `kvzap-export --help`)"
+
+
+def test_unknown_subcommand(capsys):
+    code, err = _run(["frobnicate"], capsys)
+    _assert_one_line_error(code, err, "frobnicate")
 
 
 def test_console_script_prints_no_traceback(tmp_path):
