@@ -132,3 +132,21 @@ def test_bf16_checkpoint_is_accepted(tiny_preset, tmp_path):
     save_file(state, str(directory / "model.safetensors"))
     model = load_surrogate(directory, tiny_preset)
     assert model.layers[0][0].weight.dtype == torch.float32
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_preset, monkeypatch, tmp_path):
+    """A checkpoint already in the Hugging Face cache is used without any network access."""
+    cache = tmp_path / "hub"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--nvidia--KVzap-linear-Tiny" / "snapshots" / revision
+    synthetic_checkpoint(tiny_preset, "linear", snapshot)
+    (cache / "models--nvidia--KVzap-linear-Tiny" / "refs").mkdir()
+    (cache / "models--nvidia--KVzap-linear-Tiny" / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    path = resolve_weights(tiny_preset, "linear")
+    assert path.resolve() == snapshot.resolve()
+    assert load_surrogate(path, tiny_preset).config.variant == "linear"
