@@ -148,6 +148,7 @@ def _write_rebuild_script(path: Path, commands: dict[str, list[str]]) -> None:
 
 def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> dict[str, Any]:
     """Exports a bundle into ``options.out`` atomically; returns its manifest."""
+    from kvzap_export.export.compaction_onnx import export_compaction_artifacts
     from kvzap_export.export.surrogate_onnx import export_surrogate
     from kvzap_export.surrogate import load_surrogate, resolve_weights
 
@@ -162,6 +163,10 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             surrogate.save(writer.path("surrogate"))
             advance = progress(f"export {num_layers} {resolved.variant} layers → ONNX ({resolved.dtype})", num_layers)
             manifest["artifacts"] += export_surrogate(surrogate, writer.tmp, resolved.dtype, resolved.opset, on_layer=lambda _l: advance())
+            preset = resolved.preset
+            manifest["artifacts"] += export_compaction_artifacts(
+                writer.tmp, preset.num_kv_heads, preset.head_dim, resolved.dtype, resolved.opset, resolved.sink
+            )
             manifest["rebuild"] = rebuild_commands(manifest)
             _write_rebuild_script(writer.path("rebuild.sh"), manifest["rebuild"])
             if options.check:

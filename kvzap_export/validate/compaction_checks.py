@@ -63,8 +63,15 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
         kind = artifact["kind"]
         if kind not in ("threshold_compaction", "threshold_compaction_plugin", "kv_compaction"):
             continue
+        reason = None
         if "onnxrt" not in backends:
-            checks.append(Check(f"operator:{kind}", "operator", "skipped", {"reason": "onnxrt backend not requested"}))
+            reason = "onnxrt backend not requested"
+        elif dtype == "bfloat16":
+            reason = "bfloat16 graphs cannot be fed from numpy or run by ONNX Runtime CPU; run them with TensorRT"
+        elif kind.endswith("_plugin") and dtype != "float32":
+            reason = "the ONNX Runtime implementation of the plugin node takes float32 scores; TensorRT's plugin takes every dtype"
+        if reason:
+            checks.append(Check(f"operator:{kind}", "operator", "skipped", {"reason": reason}))
             continue
         if kind == "kv_compaction":
             feeds, ref_fn, outputs = _kv_feeds(manifest, heads), _reference_kv(), ["keys_out", "values_out"]

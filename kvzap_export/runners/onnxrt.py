@@ -1,0 +1,44 @@
+"""ONNX Runtime custom-op implementation of the compaction plugin node (via onnxruntime-extensions).
+
+The plugin node's kernel calls the PyTorch reference, so ORT and the reference agree by construction;
+what this checks is the node's contract (names, attributes, I/O) that TensorRT's plugin also serves.
+onnxruntime-extensions' Python ops take one signature per op type: float32 scores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvzap_export.errors import MissingDependencyError
+
+
+@functools.lru_cache(maxsize=1)
+def _define_ops() -> str:
+    try:
+        from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+    except ModuleNotFoundError:
+        raise MissingDependencyError(
+            "running the plugin node in ONNX Runtime needs onnxruntime-extensions: pip install 'kvzap-export[ortx]'"
+        ) from None
+    import numpy as np
+    import torch
+
+    from kvzap_export.export.compaction_onnx import PLUGIN_OP
+    from kvzap_export.ops import threshold_compaction
+
+    @onnx_op(op_type=PLUGIN_OP,
+             inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32],
+             outputs=[PyCustomOpDef.dt_bool, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int32],
+             attrs={"sink": PyCustomOpDef.dt_int64, "plugin_version": PyCustomOpDef.dt_string,
+                    "plugin_namespace": PyCustomOpDef.dt_string})
+    def kvzap_threshold_compaction(scores, lengths, threshold, window, **attrs):
+        result = threshold_compaction(torch.from_numpy(np.array(scores)), torch.from_numpy(np.array(lengths)),
+                                      float(np.asarray(threshold)), int(np.asarray(window)), int(attrs.get("sink", 0)))
+        return result.keep.numpy(), result.counts.numpy(), result.indices.numpy()
+
+    return get_library_path()
+
+
+def register_custom_ops(options) -> None:
+    """Makes ``options`` (an ``onnxruntime.SessionOptions``) able to run the plugin node."""
+    options.register_custom_ops_library(_define_ops())
