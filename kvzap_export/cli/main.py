@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "export": "kvzap_export.cli.export_cmd:export",
     "inspect": "kvzap_export.cli.bundle_cmd:inspect",
     "presets": "kvzap_export.cli.presets_cmd:presets",
+    "train": "kvzap_export.cli.train_cmd:train",
     "validate": "kvzap_export.cli.validate_cmd:validate",
     "verify": "kvzap_export.cli.bundle_cmd:verify",
 }

@@ -1,0 +1,62 @@
+"""Fitting and reporting: ridge matches the closed form, the MLP learns, R² behaves."""
+
+import pytest
+import torch
+
+from kvzap_export.errors import InputError
+from kvzap_export.train.fit import fit_linear, fit_mlp, ridge
+from kvzap_export.train.report import predict, r2_per_head, write_report
+
+
+def test_ridge_matches_numpy_closed_form():
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 6, generator=gen), torch.randn(200, 2, generator=gen)
+    weight, bias = ridge(x, y, alpha=1.0)
+    xa, ya = x.double().numpy(), y.double().numpy()
+    xc, yc = xa - xa.mean(0), ya - ya.mean(0)
+    w = np.linalg.solve(xc.T @ xc + np.eye(6), xc.T @ yc)
+    np.testing.assert_allclose(weight.numpy(), w.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bias.numpy(), ya.mean(0) - xa.mean(0) @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_and_mlp_recover_a_learnable_target():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3000, 2, 16, generator=gen)
+    true_w = torch.randn(2, 16, 3, generator=gen)
+    y = torch.einsum("nld,ldh->nlh", x, true_w) + 0.05 * torch.randn(3000, 2, 3, generator=gen)
+    linear = fit_linear(x[:2500], y[:2500])
+    mlp, val = fit_mlp(x[:2500], y[:2500], hidden_dim=32, epochs=60, batch_size=128)
+    r2_lin = r2_per_head(predict(linear, x[2500:]), y[2500:])
+    r2_mlp = r2_per_head(predict(mlp, x[2500:]), y[2500:])
+    assert r2_lin.shape == (2, 3) and r2_lin.min() > 0.99
+    assert r2_mlp.min() > 0.8 and all(v < 1.0 for v in val)
+
+
+def test_r2_of_perfect_and_useless_predictors():
+    gen = torch.Generator().manual_seed(2)
+    t = torch.randn(500, 2, 3, generator=gen)
+    assert torch.allclose(r2_per_head(t * 2 + 1, t), torch.ones(2, 3))
+    assert r2_per_head(torch.randn(500, 2, 3, generator=gen), t).max() < 0.05
+
+
+def test_report_files(tmp_path):
+    r2 = {"linear": torch.full((3, 2), 0.4), "mlp": torch.full((3, 2), 0.6)}
+    summary = write_report(tmp_path, r2, {"model": "m", "command": "kvzap-export train ...", "held_out_pairs": 10, "held_out_prompts": 1})
+    assert summary["mlp"]["mean_r2"] == pytest.approx(0.6)
+    md = (tmp_path / "report.md").read_text()
+    assert "| mlp | 0.600 |" in md and "| 2 |" in md and (tmp_path / "r2.png").is_file()
+
+
+def test_empty_training_text_is_refused():
+    from kvzap_export.train.data import make_prompts
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": text.split()})()
+
+    with pytest.raises(InputError, match="empty"):
+        make_prompts(Tok(), 3, docs=["", "   "])
+    with pytest.raises(InputError, match="fewer than one prompt"):
+        make_prompts(Tok(), 3, docs=["just a few words"])
