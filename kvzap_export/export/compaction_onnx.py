@@ -5,7 +5,9 @@ token goes to ``c - 1``, an evicted one to ``count + t - c`` (a stable partition
 with no duplicate scatter indices); ``ScatterElements`` writes positions to their destinations and
 positions past ``count`` become -1. CumSum runs in float32 (TensorRT's CumSum takes floats only): it is
 exact for sequences below 2^24 tokens. ``threshold`` and ``window`` are graph inputs, so one engine
-serves every threshold; ``sink`` is a constant of the graph (recorded in the manifest).
+serves every threshold; ``sink`` is a constant of the graph (recorded in the manifest). Default opset
+20 (18 and 19 work too). For float16/bfloat16 scores, τ is rounded to the scores' dtype and the
+comparison made in float32, which is exact and equals kvpress's ``scores < threshold`` in that dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kvzap_export.export.dtypes import ONNX_DTYPES
+from kvzap_export.errors import ConfigError
+from kvzap_export.export.dtypes import ONNX_DTYPES, canonical_dtype, check_opset
 
 PLUGIN_OP = "KVzapThresholdCompaction"
 PLUGIN_NAMESPACE = "kvzap"
@@ -152,7 +155,17 @@ def _spec(model: onnx.ModelProto) -> tuple[dict, dict]:
 
 def export_compaction_artifacts(out_dir: Path, num_kv_heads: int, head_dim: int, dtype: str = "float32", opset: int = 20,
                                 sink: int = 0) -> list[dict]:
-    """Writes the three compaction graphs under ``out_dir``; returns manifest artifact entries."""
+    """Writes the three compaction graphs under ``out_dir``; returns manifest artifact entries.
+
+    ``dtype`` is the scores' (and K/V's) dtype: float32, float16 or bfloat16 (or fp32/fp16/bf16);
+    ``opset`` 18, 19 or 20 (default 20, TensorRT 10 parses up to 20). Entries carry ``kind``, ``path``
+    (relative to ``out_dir``) and ``inputs``/``outputs`` as ``{name: [dtype, shape]}`` with symbolic
+    axes as strings; the bundle writer adds the digests. Bytes are deterministic for given arguments.
+    """
+    dtype, opset = canonical_dtype(dtype), check_opset(opset)
+    for name, value, low in (("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1), ("sink", sink, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
     models = {
         "threshold_compaction": threshold_compaction_graph(num_kv_heads, dtype, opset, sink),
         "threshold_compaction_plugin": plugin_graph(num_kv_heads, dtype, opset, sink),

@@ -1,13 +1,15 @@
-"""ONNX Runtime custom-op implementation of the compaction plugin node (via onnxruntime-extensions).
+"""ONNX Runtime on the CPU: a session helper and the custom-op kernel of the compaction plugin node.
 
-The plugin node's kernel calls the PyTorch reference, so ORT and the reference agree by construction;
-what this checks is the node's contract (names, attributes, I/O) that TensorRT's plugin also serves.
-onnxruntime-extensions' Python ops take one signature per op type: float32 scores.
+The plugin node's kernel (via onnxruntime-extensions) calls the PyTorch reference, so ORT and the
+reference agree by construction; what this checks is the node's contract (names, attributes, I/O)
+that TensorRT's plugin also serves. onnxruntime-extensions' Python ops take one signature per op
+type and no float16/bfloat16 tensors: the ORT kernel takes float32 scores only.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from kvzap_export.errors import MissingDependencyError
 
@@ -42,3 +44,22 @@ def _define_ops() -> str:
 def register_custom_ops(options) -> None:
     """Makes ``options`` (an ``onnxruntime.SessionOptions``) able to run the plugin node."""
     options.register_custom_ops_library(_define_ops())
+
+
+def ort_session(path: str | Path, custom_ops: bool = False, threads: int | None = None):
+    """An ``onnxruntime.InferenceSession`` on the CPU provider for the ONNX file at ``path``.
+
+    ``custom_ops`` registers the plugin-node kernel (needed for ``threshold_compaction_plugin``);
+    ``threads`` caps intra-op threads (``None``: ONNX Runtime's default, one per core).
+    """
+    try:
+        import onnxruntime as ort
+    except ModuleNotFoundError:
+        raise MissingDependencyError("running ONNX graphs needs onnxruntime: pip install onnxruntime") from None
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if custom_ops:
+        register_custom_ops(options)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

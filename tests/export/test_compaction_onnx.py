@@ -98,3 +98,53 @@ def test_128k_tokens_through_std_ops_graph(runners):
     out = runners[("threshold_compaction", "float32", 0)].infer(_feed(scores, lengths, 0.5, 128))
     ref = threshold_compaction(scores, lengths, 0.5, 128)
     assert np.array_equal(out["indices"], ref.indices.numpy()) and np.array_equal(out["counts"], ref.counts.numpy())
+
+
+@pytest.mark.parametrize("opset", [18, 19, 20])
+def test_every_supported_opset_runs_and_matches(tmp_path, opset):
+    from kvzap_export.runners.onnxrt import ort_session
+
+    artifacts = {a["kind"]: a for a in export_compaction_artifacts(tmp_path, 3, 16, "fp32", opset)}
+    assert onnx.load(str(tmp_path / PATHS["threshold_compaction"])).opset_import[0].version == opset
+    gen = torch.Generator().manual_seed(opset)
+    scores = torch.randn(2, 3, 300, generator=gen)
+    scores[0, 1, 5] = float("nan")
+    lengths = torch.tensor([300, 150], dtype=torch.int32)
+    ref = threshold_compaction(scores, lengths, 0.25, 64, 0)
+    for kind in ("threshold_compaction", "threshold_compaction_plugin"):
+        session = ort_session(tmp_path / artifacts[kind]["path"], custom_ops=kind.endswith("plugin"))
+        keep, counts, indices = session.run(None, _feed(scores, lengths, 0.25, 64))
+        assert np.array_equal(keep, ref.keep.numpy()) and np.array_equal(counts, ref.counts.numpy())
+        assert np.array_equal(indices, ref.indices.numpy()), kind
+
+
+def test_export_is_deterministic_and_declares_io(tmp_path):
+    first = export_compaction_artifacts(tmp_path / "a", 8, 128, "bf16", 20)
+    second = export_compaction_artifacts(tmp_path / "b", 8, 128, "bfloat16", 20)
+    assert first == second
+    for art in first:
+        assert (tmp_path / "a" / art["path"]).read_bytes() == (tmp_path / "b" / art["path"]).read_bytes()
+    by_kind = {a["kind"]: a for a in first}
+    assert set(by_kind) == {"threshold_compaction", "threshold_compaction_plugin", "kv_compaction"}
+    for kind in ("threshold_compaction", "threshold_compaction_plugin"):
+        assert by_kind[kind]["inputs"] == {"scores": ["bfloat16", ["batch", 8, "seq"]], "lengths": ["int32", ["batch"]],
+                                           "threshold": ["float32", []], "window": ["int32", []]}
+        assert by_kind[kind]["outputs"] == {"keep": ["bool", ["batch", 8, "seq"]], "counts": ["int32", ["batch", 8]],
+                                            "indices": ["int32", ["batch", 8, "seq"]]}
+    assert by_kind["kv_compaction"]["inputs"]["keys"] == ["bfloat16", ["batch", 8, "seq", 128]]
+    assert by_kind["kv_compaction"]["outputs"]["values_out"] == ["bfloat16", ["batch", 8, "seq", 128]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "int8"}, "--dtype 'int8' is not supported"),
+    ({"opset": 21}, "--opset 21 is not supported"),
+    ({"num_kv_heads": 0}, "num_kv_heads must be an integer >= 1"),
+    ({"sink": -1}, "sink must be an integer >= 0"),
+])
+def test_bad_export_arguments_are_clear_errors(tmp_path, kwargs, message):
+    from kvzap_export.errors import ConfigError
+
+    args = {"num_kv_heads": 8, "head_dim": 128, "dtype": "float32", "opset": 20, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        export_compaction_artifacts(tmp_path, **args)
+    assert not any(tmp_path.iterdir())
