@@ -66,8 +66,9 @@ def load_llm(model: str = "smollm2-135m", dtype: str = "float32", attn_implement
         if not gguf:
             raise ConfigError(f"model {model}: its weights are not shipped with the toolkit; pass a local HF model directory with --model")
         path = smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        llm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+        with _quiet_tqdm():  # transformers' GGUF reader has its own bar that ignores disable_progress_bar
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            llm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
         llm.config.name_or_path = preset.hf_id or model  # what kvpress derives its surrogate name from
     else:
         directory = Path(model).expanduser()
@@ -76,6 +77,24 @@ def load_llm(model: str = "smollm2-135m", dtype: str = "float32", attn_implement
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         llm = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
     return llm.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_tqdm() -> Iterator[None]:
+    """transformers' GGUF reader draws a tqdm bar of its own (module-level import); silence it."""
+    import functools as ft
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = ft.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def decoder_layers(llm) -> list:

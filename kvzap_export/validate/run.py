@@ -192,7 +192,7 @@ def validate_bundle(bundle: str | Path, backends: tuple[str, ...] = ("torch", "o
                     model: str | None = None, model_level: bool = True, progress=None,
                     display_name: str | None = None) -> dict[str, Any]:
     """Runs every check and writes ``BUNDLE/report``; returns the report dict (``passed`` is the verdict)."""
-    from kvzap_export.validate.hidden import real_hidden_states
+    from kvzap_export.validate.hidden import real_hidden_states, resolve_model
     from kvzap_export.validate.report import write_report
 
     bundle = Path(bundle)
@@ -206,7 +206,11 @@ def validate_bundle(bundle: str | Path, backends: tuple[str, ...] = ("torch", "o
     checks.append(Check("bundle:manifest_integrity", "bundle", "failed" if problems else "passed", {"problems": problems}))
     preset = preset_of(manifest)
     surrogate = load_surrogate(bundle / manifest["surrogate"].get("path", "surrogate"), preset)
+    target = resolve_model(manifest, model)
+    advance = progress(f"load {target} for real hidden states", 1) if progress and target else None
     hidden = real_hidden_states(manifest, model)
+    if advance:
+        advance()
     engines = {a["source"]: a["path"] for a in manifest["artifacts"] if a["kind"] == "trt_engine" and "source" in a}
     n_layers = sum(1 for a in manifest["artifacts"] if a["kind"] == "surrogate_layer")
     advance = progress("operator level: artifacts vs PyTorch", n_layers) if progress else None
