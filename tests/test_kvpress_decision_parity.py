@@ -98,14 +98,18 @@ def kvpress_run(llm, bundle, ids, threshold, decoding):
     return masked, hidden, ref_scores, press.compression_ratio
 
 
-def compaction_feed(rows: list[np.ndarray], heads: int, threshold: float) -> dict[str, np.ndarray]:
-    """One graph row per entry of ``rows`` (its own length), broadcast over the graph's fixed kv_heads."""
-    longest = max(len(r) for r in rows)
-    scores = np.zeros((len(rows), heads, longest), np.float32)
-    for i, row in enumerate(rows):
-        scores[i, :, : len(row)] = row
-    return {"scores": scores, "lengths": np.array([len(r) for r in rows], np.int32),
+def compaction_feed(scores: np.ndarray, lengths, threshold: float) -> dict[str, np.ndarray]:
+    """The graph's feed: scores [batch, kv_heads, seq], lengths [batch]."""
+    return {"scores": np.ascontiguousarray(scores, np.float32), "lengths": np.asarray(lengths, np.int32),
             "threshold": np.array(threshold, np.float32), "window": np.array(WINDOW, np.int32)}
+
+
+def per_head_rows(rows: list[np.ndarray], heads: int) -> np.ndarray:
+    """One batch row per head's cache (padded to the longest), broadcast over the graph's fixed kv_heads axis."""
+    out = np.zeros((len(rows), heads, max(len(r) for r in rows)), np.float32)
+    for i, row in enumerate(rows):
+        out[i, :, : len(row)] = row
+    return out
 
 
 def our_kept(sessions, hidden, threshold, prompt_len: int, decoding: bool):
@@ -117,7 +121,7 @@ def our_kept(sessions, hidden, threshold, prompt_len: int, decoding: bool):
         heads, total = scores.shape
         all_scores.append(scores)
         # Prefill: the prompt in one compaction (batch 1, all heads).
-        keep, counts, indices = compaction.run(None, compaction_feed([scores[:, :prompt_len]], heads, threshold))
+        _, counts, indices = compaction.run(None, compaction_feed(scores[None, :, :prompt_len], [prompt_len], threshold))
         # Ours keeps the cache physically: per head, absolute positions and their stored scores.
         positions = [indices[0, h, : counts[0, h]].astype(np.int64) for h in range(heads)]
         assert not decoding or total > prompt_len
@@ -125,7 +129,8 @@ def our_kept(sessions, hidden, threshold, prompt_len: int, decoding: bool):
             positions = [np.append(p, step) for p in positions]
             rows = [scores[h, p] for h, p in enumerate(positions)]
             # Each head is one row (its own physical length); the graph's heads axis carries copies.
-            _, counts, indices = compaction.run(None, compaction_feed(rows, heads, threshold))
+            feed = compaction_feed(per_head_rows(rows, heads), [len(r) for r in rows], threshold)
+            _, counts, indices = compaction.run(None, feed)
             positions = [p[indices[h, 0, : counts[h, 0]]] for h, p in enumerate(positions)]
         kept.append({(h, int(t)) for h in range(heads) for t in positions[h]})
     return kept, all_scores
