@@ -106,6 +106,17 @@ def test_uniform_across_layers_shares_one_count():
     selection = uniform_selection(scores, keep, lengths)
     assert selection.indices.shape[:3] == (3, 2, 4)
     assert torch.equal(selection.counts, keep.sum(-1).amax(dim=(0, 2)).to(torch.int32))
+    pos = torch.arange(40)
+    for layer in range(3):
+        for b in range(2):
+            k = int(selection.counts[b])
+            for h in range(4):
+                chosen = selection.indices[layer, b, h]
+                assert set(pos[keep[layer, b, h]].tolist()) <= set(chosen[:k].tolist())
+                assert (chosen[k:] == -1).all() and (chosen[:k] < int(lengths[b])).all()
+    report = memory_report(keep.sum(-1), lengths)
+    assert report["uniform_entries"] == float(selection.counts.sum()) * 4 * 3  # heads x layers
+    assert report["ragged_freed"] >= report["per_layer_padded_freed"] >= report["uniform_freed"] >= 0
 
 
 def test_trtllm_layout():
