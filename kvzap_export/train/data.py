@@ -51,3 +51,19 @@ def make_prompts(tokenizer, num_prompts: int, seed: int = 0, docs: list[str] | N
 
 def is_held_out(index: int) -> bool:
     return index % HOLDOUT_EVERY == 0
+
+
+def held_out_texts(count: int, min_chars: int = 3000) -> list[str]:
+    """Evaluation texts from the end of the corpus (pydoc topics in reverse order), which the
+    training prompts (cut from the start of the corpus) do not reach for any default-sized run."""
+    from pydoc_data.topics import topics
+
+    texts, current = [], ""
+    for key in sorted(topics, reverse=True):
+        current += topics[key].strip() + "\n\n"
+        if len(current) >= min_chars:
+            texts.append(current)
+            current = ""
+        if len(texts) == count:
+            break
+    return texts

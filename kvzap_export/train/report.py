@@ -30,7 +30,7 @@ def write_report(out: Path, results: dict[str, torch.Tensor], meta: dict) -> dic
     variants = list(results)
     lines = [f"# KVzap surrogate training report: {meta.get('model')}", "",
              f"Held-out squared Pearson correlation (R²) between predicted and KVzip+ log-scores, on "
-             f"{meta.get('held_out_pairs')} held-out (token, layer) pairs from {meta.get('held_out_prompts')} prompts never "
+             f"{meta.get('held_out_pairs')} held-out token positions (each scored at every layer and KV head) from {meta.get('held_out_prompts')} prompts never "
              f"seen in training.", "",
              "| variant | mean R² over (layer, head) |", "|---|---|"]
     lines += [f"| {v} | {summary[v]['mean_r2']:.3f} |" for v in variants]
