@@ -1,0 +1,192 @@
+"""Model-level parity: the real model generating with a KV cache that the *exported artifacts* compact
+physically, per head, vs kvpress's ``DMSPress`` masking of the same model.
+
+Prefill is dense (as kvpress). Then, per layer, the surrogate ONNX scores the prompt's hidden states,
+the ONNX ``threshold_compaction`` graph decides, and the ONNX ``kv_compaction`` graph moves each head's
+kept K/V to the front; the cache keeps only ``max(count)`` slots per layer (per-layer padded layout),
+and an attention function masks each head's padded tail. Generated tokens are appended after them;
+RoPE positions stay the original (logical) ones. Mode: prefill compaction (kvpress ``decoding=False``);
+decode-phase decisions are checked at decision level (tests/test_kvpress_decision_parity.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ATTN_NAME = "kvzap_compacted"
+_VALID: dict[int, torch.Tensor] = {}  # layer -> bool (kv_heads, physical_len) of slots holding a kept entry
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """Eager attention where each KV head sees only its own kept slots (plus everything appended since)."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    valid = _VALID.get(module.layer_idx)
+    if valid is not None and query.shape[-2] == 1:
+        heads = query.shape[1]
+        total = key.shape[-2]
+        appended = total - valid.shape[1]
+        mask = torch.cat([valid, torch.ones(valid.shape[0], appended, dtype=torch.bool)], dim=1)
+        mask = mask.repeat_interleave(heads // valid.shape[0], dim=0)  # query heads of each KV group
+        bias = torch.zeros(1, heads, 1, total, dtype=query.dtype).masked_fill(~mask[None, :, None, :], float("-inf"))
+        attention_mask = bias
+    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def compacted_attention(llm) -> Iterator[None]:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+    previous = llm.config._attn_implementation
+    llm.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        _VALID.clear()
+        llm.set_attn_implementation(previous)
+
+
+def _sessions(bundle: Path, manifest: dict) -> tuple[dict[int, object], object, object]:
+    from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
+
+    layers, compaction, kv = {}, None, None
+    for art in manifest["artifacts"]:
+        if art["kind"] == "surrogate_layer":
+            layers[art["layer"]] = OnnxrtRunner(bundle / art["path"])
+        elif art["kind"] == "threshold_compaction":
+            compaction = OnnxrtRunner(bundle / art["path"])
+        elif art["kind"] == "kv_compaction":
+            kv = OnnxrtRunner(bundle / art["path"])
+    return layers, compaction, kv
+
+
+def _compact_cache(cache, hidden: dict[int, torch.Tensor], runners, manifest: dict) -> tuple[list[np.ndarray], int]:
+    """Scores, decides and moves K/V of every layer with the ONNX artifacts; returns per-layer counts."""
+    layers, compaction, kv = runners
+    pruning = manifest["pruning"]
+    counts_all, prompt_len = [], 0
+    for layer_idx, runner in sorted(layers.items()):
+        states = hidden[layer_idx][0].float().numpy()  # (T, hidden)
+        prompt_len = states.shape[0]
+        scores = runner.infer({"hidden_states": states})["scores"]  # (T, H_kv)
+        out = compaction.infer({"scores": np.ascontiguousarray(scores.T[None]), "lengths": np.array([prompt_len], np.int32),
+                                "threshold": np.array(pruning["threshold"], np.float32),
+                                "window": np.array(pruning["window"], np.int32)})
+        layer = cache.layers[layer_idx]
+        moved = kv.infer({"keys": layer.keys.float().numpy(), "values": layer.values.float().numpy(), "indices": out["indices"]})
+        counts = out["counts"][0]
+        width = int(counts.max())
+        layer.keys = torch.from_numpy(moved["keys_out"][:, :, :width].copy()).to(layer.keys.dtype)
+        layer.values = torch.from_numpy(moved["values_out"][:, :, :width].copy()).to(layer.values.dtype)
+        _VALID[layer_idx] = torch.arange(width)[None, :] < torch.from_numpy(counts.astype(np.int64))[:, None]
+        counts_all.append(counts)
+    return counts_all, prompt_len
+
+
+def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int):
+    """Greedy generation with the physically compacted cache; returns (tokens, logits per step, counts, prompt_len)."""
+    from transformers import DynamicCache
+
+    from kvzap_export.llm import capture_hidden_states
+
+    runners = _sessions(bundle, manifest)
+    for runner in [*runners[0].values(), runners[1], runners[2]]:
+        runner.activate()
+    try:
+        cache = DynamicCache()
+        with torch.no_grad(), capture_hidden_states(llm) as hidden:
+            out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
+            prompt_hidden = {k: v.clone() for k, v in hidden.items()}
+        logits = [out.logits[:, -1]]
+        with compacted_attention(llm), torch.no_grad():
+            counts, prompt_len = _compact_cache(cache, prompt_hidden, runners, manifest)
+            token = logits[-1].argmax(-1, keepdim=True)
+            tokens = [token]
+            for step in range(new_tokens - 1):
+                position = torch.tensor([[prompt_len + step]])
+                out = llm(input_ids=token, past_key_values=cache, position_ids=position, cache_position=position[0], use_cache=True)
+                logits.append(out.logits[:, -1])
+                token = logits[-1].argmax(-1, keepdim=True)
+                tokens.append(token)
+    finally:
+        for runner in [*runners[0].values(), runners[1], runners[2]]:
+            runner.deactivate()
+    return torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len
+
+
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int):
+    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy."""
+    from kvpress import DMSPress, KVzapPress
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    scorer = KVzapPress(model_type=manifest["surrogate"]["variant"])
+    scorer.kvzap_model = KVzapModel.from_pretrained(str(bundle / manifest["surrogate"].get("path", "surrogate")))
+    scorer.kvzap_model_name = f"nvidia/KVzap-{scorer.model_type}-{llm.config.name_or_path.split('/')[-1]}"
+    pruning = manifest["pruning"]
+    press = DMSPress(press=scorer, threshold=pruning["threshold"], sliding_window_size=pruning["window"], decoding=False)
+    with press(llm), torch.no_grad():
+        out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, return_dict_in_generate=True, output_logits=True)
+    for layer in llm.model.layers:
+        layer.self_attn.masked_key_indices = None
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
+    from kvzap_export.train.data import held_out_texts
+
+    return [tokenizer(text, return_tensors="pt").input_ids[:, :tokens] for text in held_out_texts(count)]
+
+
+def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, new_tokens: int = 64,
+                    prompt_tokens: int = 400, logits_atol: float = 1e-3) -> dict:
+    """Compares greedy continuations and logits, and reports the KV bytes each layout holds."""
+    from kvzap_export.llm import load_llm
+    from kvzap_export.ops import memory_report
+
+    if manifest["dtype"] != "float32":
+        return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
+                                               f"this bundle is {manifest['dtype']}"}
+    llm, tokenizer = load_llm(model, dtype="float32")
+    per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
+    for ids in held_out_prompts(tokenizer, prompts, prompt_tokens):
+        ours, our_logits, counts, prompt_len = generate_compacted(llm, ids, bundle, manifest, new_tokens)
+        theirs, their_logits = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
+        same = bool(torch.equal(ours, theirs))
+        # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
+        steps = new_tokens if same else int((ours != theirs).int().argmax()) + 1
+        diff = float((our_logits[:, :steps] - their_logits[:, :steps]).abs().max())
+        worst_logits = max(worst_logits, diff)
+        report = memory_report(torch.from_numpy(np.stack(counts))[:, None, :], torch.tensor([prompt_len]))
+        per_prompt.append({"prompt_tokens": prompt_len, "identical_tokens": same, "max_logits_diff": diff,
+                           "pruned_fraction": report["ragged_freed"]})
+        all_counts.append(np.stack(counts))
+        lengths.append(prompt_len)
+    # Bytes of K and V over all prompts, per layout (float32, as this run).
+    head_dim = manifest["model"]["head_dim"]
+    per_entry = 2 * head_dim * 4
+    reports = [memory_report(torch.from_numpy(c)[:, None, :], torch.tensor([n])) for c, n in zip(all_counts, lengths)]
+    layouts = {}
+    for name in ("full", "ragged", "per_layer_padded", "uniform"):
+        held = sum(r[f"{name}_entries"] for r in reports) * per_entry
+        layouts[name] = {"bytes": int(held), "freed_fraction": 1.0 - held / (sum(r["full_entries"] for r in reports) * per_entry)}
+    pruned = 1.0 - sum(r["ragged_entries"] for r in reports) / sum(r["full_entries"] for r in reports)
+    identical = all(p["identical_tokens"] for p in per_prompt)
+    bytes_ok = layouts["ragged"]["bytes"] <= layouts["full"]["bytes"] * (1.0 - pruned) + 1 and pruned > 0
+    passed = identical and worst_logits <= logits_atol and bytes_ok
+    return {"status": "passed" if passed else "failed", "mode": "prefill compaction (kvpress decoding=False)",
+            "prompts": per_prompt, "new_tokens": new_tokens, "identical_continuations": sum(p["identical_tokens"] for p in per_prompt),
+            "max_logits_diff": worst_logits, "logits_atol": logits_atol, "pruned_fraction": pruned,
+            "kv_cache_layouts": layouts, "physical_layout_held": "per_layer_padded",
+            "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
+                       f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%}; KV bytes held: ragged "
+                       f"{1 - layouts['ragged']['freed_fraction']:.1%}, per-layer padded {1 - layouts['per_layer_padded']['freed_fraction']:.1%}, "
+                       f"uniform {1 - layouts['uniform']['freed_fraction']:.1%} of full"}
