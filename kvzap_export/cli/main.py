@@ -17,6 +17,8 @@ from kvzap_export.errors import KvzapError
 
 # name -> "module:attribute" of a click command; imported only when that command runs.
 COMMANDS: dict[str, str] = {
+    "bench": "kvzap_export.cli.bench_cmd:bench",
+    "evaluate": "kvzap_export.cli.evaluate_cmd:evaluate",
     "export": "kvzap_export.cli.export_cmd:export",
     "inspect": "kvzap_export.cli.bundle_cmd:inspect",
     "presets": "kvzap_export.cli.presets_cmd:presets",

@@ -22,8 +22,12 @@ ATTN_NAME = "kvzap_compacted"
 _VALID: dict[int, torch.Tensor] = {}  # layer -> bool (kv_heads, physical_len) of slots holding a kept entry
 
 
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    """Eager attention where each KV head sees only its own kept slots (plus everything appended since)."""
+def _attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+    """Eager attention where each KV head sees only its own kept slots (plus everything appended since).
+
+    ``dropout`` is positional because kvpress, once imported, wraps every registered attention
+    function and calls it as ``func(module, query, key, value, attention_mask, dropout, **kwargs)``.
+    """
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     valid = _VALID.get(module.layer_idx)
@@ -35,7 +39,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         mask = mask.repeat_interleave(heads // valid.shape[0], dim=0)  # query heads of each KV group
         bias = torch.zeros(1, heads, 1, total, dtype=query.dtype).masked_fill(~mask[None, :, None, :], float("-inf"))
         attention_mask = bias
-    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
 
 @contextlib.contextmanager
