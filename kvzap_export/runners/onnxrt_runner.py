@@ -13,14 +13,21 @@ _NP_OF_ORT = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
 
 
 class OnnxrtRunner(Runner):
-    """Runs an ONNX file on ONNX Runtime's CPU provider; ``custom_ops`` registers our plugin-node kernels."""
+    """Runs an ONNX file on ONNX Runtime's CPU provider; ``custom_ops`` registers our plugin-node kernels.
+
+    ``bf16_emulation`` runs a bfloat16 graph through :func:`emulate_bf16` (ORT CPU has no bfloat16
+    kernels); the runner then takes and returns float32 arrays holding bfloat16 values.
+    """
 
     backend = "onnxrt"
 
-    def __init__(self, path: str | Path, name: str | None = None, custom_ops: bool = False):
-        super().__init__(name or f"onnxrt:{Path(path).name}")
+    def __init__(self, path: str | Path, name: str | None = None, custom_ops: bool = False, bf16_emulation: bool = False):
+        super().__init__(name or f"onnxrt{'-bf16emu' if bf16_emulation else ''}:{Path(path).name}")
         self.path = Path(path)
         self.custom_ops = custom_ops
+        self.bf16_emulation = bf16_emulation
+        if bf16_emulation:
+            self.backend = "onnxrt-bf16emu"
         self.session = None
 
     def activate_impl(self) -> None:
@@ -32,7 +39,14 @@ class OnnxrtRunner(Runner):
             from kvzap_export.runners.onnxrt import register_custom_ops
 
             register_custom_ops(options)
-        self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        source: str | bytes = str(self.path)
+        if self.bf16_emulation:
+            import onnx
+
+            from kvzap_export.runners.bf16_emulation import emulate_bf16
+
+            source = emulate_bf16(onnx.load(str(self.path))).SerializeToString()
+        self.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
     def get_input_metadata_impl(self) -> Metadata:
         return {i.name: (_NP_OF_ORT.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()}

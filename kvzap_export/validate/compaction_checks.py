@@ -66,8 +66,6 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
         reason = None
         if "onnxrt" not in backends:
             reason = "onnxrt backend not requested"
-        elif dtype == "bfloat16":
-            reason = "bfloat16 graphs cannot be fed from numpy or run by ONNX Runtime CPU; run them with TensorRT"
         elif kind.endswith("_plugin") and dtype != "float32":
             reason = "the ONNX Runtime implementation of the plugin node takes float32 scores; TensorRT's plugin takes every dtype"
         if reason:
@@ -79,7 +77,8 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
             feeds, ref_fn, outputs = _feeds(manifest, heads, dtype), _reference_compaction(sink, dtype), ["keep", "counts", "indices"]
         meta = {k: (str(v.dtype), list(v.shape)) for k, v in feeds[0].items()}
         mismatches, failed = 0, []
-        runner = OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"))
+        # ORT CPU has no bfloat16 kernels: bfloat16 graphs run emulated (float32 compute, bf16 rounding).
+        runner = OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"), bf16_emulation=dtype == "bfloat16")
         with runner:
             for feed in feeds:
                 reference = TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs)
@@ -91,7 +90,7 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
                         failed.append(result.output)
         checks.append(Check(f"operator:{kind}", "operator", "failed" if failed else "passed",
                             {"artifact": artifact["path"], "shapes": [list(f[next(iter(meta))].shape) for f in feeds],
-                             "mismatches": mismatches, "comparison": "exact", **({"failed": sorted(set(failed))} if failed else {})}))
+                             "mismatches": mismatches, "comparison": "exact", "backend": runner.backend, **({"failed": sorted(set(failed))} if failed else {})}))
     return checks
 
 
@@ -105,8 +104,13 @@ def _kv_feeds(manifest: dict, heads: int) -> list[dict]:
         scores = torch.randn(batch, heads, seq, generator=gen)
         lengths = torch.full((batch,), seq, dtype=torch.int32)
         indices = threshold_compaction(scores, lengths, 0.0, 16).indices
-        np_dtype = np.float32 if manifest["dtype"] == "bfloat16" else np.dtype(manifest["dtype"])
-        keys = torch.randn(batch, heads, seq, head_dim, generator=gen).numpy().astype(np_dtype)
-        values = torch.randn(batch, heads, seq, head_dim, generator=gen).numpy().astype(np_dtype)
+        keys, values = (_values_in(torch.randn(batch, heads, seq, head_dim, generator=gen), manifest["dtype"]) for _ in range(2))
         feeds.append({"keys": keys, "values": values, "indices": indices.numpy()})
     return feeds
+
+
+def _values_in(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """Values representable in the graph dtype; bfloat16 ones travel as float32 (numpy has no bfloat16)."""
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).float().numpy()
+    return t.numpy().astype(np.dtype(dtype))

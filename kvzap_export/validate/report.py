@@ -17,13 +17,15 @@ def _headline(check: dict) -> str:
     if check["status"] == "skipped":
         return d.get("reason", "")
     if "unexplained_flips" in d:
-        return (f"{d['flips']} flips of {d['decisions']} decisions, {d['unexplained_flips']} unexplained "
-                f"(tolerance {d['tolerance']:.2g} around τ = {d['threshold']:g}); pruned {d['pruned_fraction']:.1%}")
+        return (f"{d.get('backend', 'onnxrt')} in {d.get('dtype', 'float32')}: {d['flips']} flips of {d['decisions']} "
+                f"decisions, {d['unexplained_flips']} unexplained (tolerance {d['tolerance']:.2g} around "
+                f"τ = {d['threshold']:g}); pruned {d['pruned_fraction']:.1%}")
     if "max_abs_error" in d:
         return f"{', '.join(d.get('backends', []))}: max abs {d['max_abs_error']:.2e}, max rel {d['max_rel_error']:.2e}" + \
             (f"; failed {d['failed']}" if d.get("failed") else "")
     if "mismatches" in d:
-        return f"exact comparison, {d['mismatches']} mismatching elements over shapes {d.get('shapes')}"
+        return (f"{d.get('backend', 'onnxrt')}: exact comparison, {d['mismatches']} mismatching elements over shapes "
+                f"{d.get('shapes')}")
     if "problems" in d:
         return "; ".join(d["problems"]) or "manifest sections match their digests"
     return d.get("summary", "")
