@@ -45,4 +45,5 @@ def test_model_level_physical_compaction_matches_kvpress(bundle):
     pruned = detail["pruned_fraction"]
     assert pruned > 0.2
     assert layouts["ragged"]["bytes"] == pytest.approx(layouts["full"]["bytes"] * (1 - pruned), rel=1e-9)
+    assert detail["measured_held_bytes"] == layouts["ragged"]["bytes"]  # what the compacted cache's tensors held
     assert layouts["ragged"]["bytes"] <= layouts["per_layer_padded"]["bytes"] <= layouts["uniform"]["bytes"] <= layouts["full"]["bytes"]

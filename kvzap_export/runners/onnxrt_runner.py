@@ -35,6 +35,9 @@ class OnnxrtRunner(Runner):
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # Idle ORT worker threads otherwise spin for a while after each run, starving the torch work
+        # that runs between artifact calls (model-level checks, the e2e benchmark) on small machines.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.custom_ops:
             from kvzap_export.runners.onnxrt import register_custom_ops
 

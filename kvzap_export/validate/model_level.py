@@ -3,9 +3,10 @@ physically, per head, vs kvpress's ``DMSPress`` masking of the same model.
 
 Prefill is dense (as kvpress). Then, per layer, the surrogate ONNX scores the prompt's hidden states,
 the ONNX ``threshold_compaction`` graph decides, and the ONNX ``kv_compaction`` graph moves each head's
-kept K/V to the front; the cache keeps only ``max(count)`` slots per layer (per-layer padded layout),
-and an attention function masks each head's padded tail. Generated tokens are appended after them;
-RoPE positions stay the original (logical) ones. Mode: prefill compaction (kvpress ``decoding=False``);
+kept K/V to the front; the cache then holds exactly each head's kept entries (``RaggedHeadsLayer``:
+ragged layout, bytes measured from its tensors), and an attention function masks the padding of the
+per-call dense view. Generated tokens are appended to every head; RoPE positions stay the original
+(logical) ones. Mode: prefill compaction (kvpress ``decoding=False``);
 decode-phase decisions are checked at decision level (tests/test_kvpress_decision_parity.py).
 """
 
@@ -14,32 +15,31 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 ATTN_NAME = "kvzap_compacted"
-_VALID: dict[int, torch.Tensor] = {}  # layer -> bool (kv_heads, physical_len) of slots holding a kept entry
+_LAYERS: dict[int, object] = {}  # layer -> its RaggedHeadsLayer (``valid``: bool (kv_heads, width) of real slots)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
-    """Eager attention where each KV head sees only its own kept slots (plus everything appended since).
+    """SDPA where each KV head sees only its own kept slots (and everything appended since).
 
     ``dropout`` is positional because kvpress, once imported, wraps every registered attention
     function and calls it as ``func(module, query, key, value, attention_mask, dropout, **kwargs)``.
     """
-    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    valid = _VALID.get(module.layer_idx)
-    if valid is not None and query.shape[-2] == 1:
-        heads = query.shape[1]
-        total = key.shape[-2]
-        appended = total - valid.shape[1]
-        mask = torch.cat([valid, torch.ones(valid.shape[0], appended, dtype=torch.bool)], dim=1)
-        mask = mask.repeat_interleave(heads // valid.shape[0], dim=0)  # query heads of each KV group
-        bias = torch.zeros(1, heads, 1, total, dtype=query.dtype).masked_fill(~mask[None, :, None, :], float("-inf"))
-        attention_mask = bias
-    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    layer = _LAYERS.get(module.layer_idx)
+    if layer is None or query.shape[-2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    groups = query.shape[1] // layer.valid.shape[0]
+    mask = layer.valid.repeat_interleave(groups, dim=0)[None, :, None, :]  # query heads of each KV group
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=kwargs.get("scaling"),
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def compacted_attention(llm) -> Iterator[None]:
     try:
         yield
     finally:
-        _VALID.clear()
+        _LAYERS.clear()
         llm.set_attn_implementation(previous)
 
 
@@ -74,6 +74,8 @@ def _sessions(bundle: Path, manifest: dict) -> tuple[dict[int, object], object, 
 
 def _compact_cache(cache, hidden: dict[int, torch.Tensor], runners, manifest: dict) -> tuple[list[np.ndarray], int]:
     """Scores, decides and moves K/V of every layer with the ONNX artifacts; returns per-layer counts."""
+    from kvzap_export.validate.ragged_cache import RaggedHeadsLayer
+
     layers, compaction, kv = runners
     pruning = manifest["pruning"]
     counts_all, prompt_len = [], 0
@@ -87,43 +89,62 @@ def _compact_cache(cache, hidden: dict[int, torch.Tensor], runners, manifest: di
         layer = cache.layers[layer_idx]
         moved = kv.infer({"keys": layer.keys.float().numpy(), "values": layer.values.float().numpy(), "indices": out["indices"]})
         counts = out["counts"][0]
-        width = int(counts.max())
-        layer.keys = torch.from_numpy(moved["keys_out"][:, :, :width].copy()).to(layer.keys.dtype)
-        layer.values = torch.from_numpy(moved["values_out"][:, :, :width].copy()).to(layer.values.dtype)
-        _VALID[layer_idx] = torch.arange(width)[None, :] < torch.from_numpy(counts.astype(np.int64))[:, None]
+        dtype = layer.keys.dtype
+        ragged = RaggedHeadsLayer.from_compacted(torch.from_numpy(moved["keys_out"]).to(dtype),
+                                                 torch.from_numpy(moved["values_out"]).to(dtype), counts)
+        cache.layers[layer_idx] = _LAYERS[layer_idx] = ragged  # the dense prompt cache of this layer is freed
         counts_all.append(counts)
     return counts_all, prompt_len
 
 
-def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int):
-    """Greedy generation with the physically compacted cache; returns (tokens, logits per step, counts, prompt_len)."""
+class Generation(NamedTuple):
+    tokens: torch.Tensor  # (1, new_tokens)
+    logits: torch.Tensor  # (1, new_tokens, vocab)
+    counts: list[np.ndarray]  # per layer: kept entries per KV head after the prompt
+    prompt_len: int
+    held_bytes: int  # K/V bytes the compacted cache holds after the prompt, measured from its tensors
+
+
+@contextlib.contextmanager
+def artifact_sessions(bundle: Path, manifest: dict) -> Iterator[tuple]:
+    """The bundle's surrogate / compaction / kv_compaction graphs, open in ONNX Runtime."""
+    runners = _sessions(bundle, manifest)
+    every = [*runners[0].values(), runners[1], runners[2]]
+    try:
+        for runner in every:
+            runner.activate()
+        yield runners
+    finally:
+        for runner in every:
+            runner.deactivate()
+
+
+def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, runners=None) -> Generation:
+    """Greedy generation with the physically compacted cache (``runners`` from ``artifact_sessions``, or opened here)."""
+    if runners is None:
+        with artifact_sessions(bundle, manifest) as opened:
+            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened)
     from transformers import DynamicCache
 
     from kvzap_export.llm import capture_hidden_states
 
-    runners = _sessions(bundle, manifest)
-    for runner in [*runners[0].values(), runners[1], runners[2]]:
-        runner.activate()
-    try:
-        cache = DynamicCache()
-        with torch.no_grad(), capture_hidden_states(llm) as hidden:
-            out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
-            prompt_hidden = {k: v.clone() for k, v in hidden.items()}
-        logits = [out.logits[:, -1]]
-        with compacted_attention(llm), torch.no_grad():
-            counts, prompt_len = _compact_cache(cache, prompt_hidden, runners, manifest)
+    cache = DynamicCache()
+    with torch.no_grad(), capture_hidden_states(llm) as hidden:
+        out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
+        prompt_hidden = {k: v.clone() for k, v in hidden.items()}
+    logits = [out.logits[:, -1]]
+    with compacted_attention(llm), torch.no_grad():
+        counts, prompt_len = _compact_cache(cache, prompt_hidden, runners, manifest)
+        held = sum(layer.held_bytes() for layer in cache.layers)
+        token = logits[-1].argmax(-1, keepdim=True)
+        tokens = [token]
+        for step in range(new_tokens - 1):
+            position = torch.tensor([[prompt_len + step]])
+            out = llm(input_ids=token, past_key_values=cache, position_ids=position, cache_position=position[0], use_cache=True)
+            logits.append(out.logits[:, -1])
             token = logits[-1].argmax(-1, keepdim=True)
-            tokens = [token]
-            for step in range(new_tokens - 1):
-                position = torch.tensor([[prompt_len + step]])
-                out = llm(input_ids=token, past_key_values=cache, position_ids=position, cache_position=position[0], use_cache=True)
-                logits.append(out.logits[:, -1])
-                token = logits[-1].argmax(-1, keepdim=True)
-                tokens.append(token)
-    finally:
-        for runner in [*runners[0].values(), runners[1], runners[2]]:
-            runner.deactivate()
-    return torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len
+            tokens.append(token)
+    return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held)
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int):
@@ -160,9 +181,9 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
                                                f"this bundle is {manifest['dtype']}"}
     llm, tokenizer = load_llm(model, dtype="float32")
-    per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
+    per_prompt, worst_logits, all_counts, lengths, measured = [], 0.0, [], [], 0
     for ids in held_out_prompts(tokenizer, prompts, prompt_tokens):
-        ours, our_logits, counts, prompt_len = generate_compacted(llm, ids, bundle, manifest, new_tokens)
+        ours, our_logits, counts, prompt_len, held = generate_compacted(llm, ids, bundle, manifest, new_tokens)
         theirs, their_logits = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
         same = bool(torch.equal(ours, theirs))
         # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
@@ -174,6 +195,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
                            "pruned_fraction": report["ragged_freed"]})
         all_counts.append(np.stack(counts))
         lengths.append(prompt_len)
+        measured += held
     # Bytes of K and V over all prompts, per layout (float32, as this run).
     head_dim = manifest["model"]["head_dim"]
     per_entry = 2 * head_dim * 4
@@ -184,13 +206,16 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
         layouts[name] = {"bytes": int(held), "freed_fraction": 1.0 - held / (sum(r["full_entries"] for r in reports) * per_entry)}
     pruned = 1.0 - sum(r["ragged_entries"] for r in reports) / sum(r["full_entries"] for r in reports)
     identical = all(p["identical_tokens"] for p in per_prompt)
-    bytes_ok = layouts["ragged"]["bytes"] <= layouts["full"]["bytes"] * (1.0 - pruned) + 1 and pruned > 0
+    # What the compacted cache really held (its tensors' bytes) must be the ragged layout's count.
+    bytes_ok = measured == layouts["ragged"]["bytes"] <= layouts["full"]["bytes"] * (1.0 - pruned) + 1 and pruned > 0
     passed = identical and worst_logits <= logits_atol and bytes_ok
     return {"status": "passed" if passed else "failed", "mode": "prefill compaction (kvpress decoding=False)",
             "prompts": per_prompt, "new_tokens": new_tokens, "identical_continuations": sum(p["identical_tokens"] for p in per_prompt),
             "max_logits_diff": worst_logits, "logits_atol": logits_atol, "pruned_fraction": pruned,
-            "kv_cache_layouts": layouts, "physical_layout_held": "per_layer_padded",
+            "kv_cache_layouts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
+            "measured_held_bytes": measured,
             "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
-                       f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%}; KV bytes held: ragged "
+                       f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%}; KV bytes held (measured) "
+                       f"{measured / layouts['full']['bytes']:.1%} of full; layouts: ragged "
                        f"{1 - layouts['ragged']['freed_fraction']:.1%}, per-layer padded {1 - layouts['per_layer_padded']['freed_fraction']:.1%}, "
                        f"uniform {1 - layouts['uniform']['freed_fraction']:.1%} of full"}

@@ -1,0 +1,49 @@
+"""Runs the benchmark suite and returns one JSON document with a stable schema."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from collections.abc import Callable
+
+SCHEMA = "kvzap-export-bench/1"
+
+
+def _suites(device: str) -> dict[str, Callable[[], list[dict]]]:
+    from kvzap_export.bench.compaction import bench_compaction
+    from kvzap_export.bench.e2e import bench_e2e
+    from kvzap_export.bench.overhead import bench_overhead
+    from kvzap_export.bench.scoring import bench_scoring
+
+    prefill = (4096, 32768) if device == "cuda" else (4096,)
+    return {
+        "scoring": lambda: bench_scoring(device),
+        "compaction": lambda: bench_compaction(device),
+        "overhead": lambda: bench_overhead(device, prefill=prefill),
+        "e2e": lambda: bench_e2e(),
+    }
+
+
+def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress=None) -> dict:
+    import torch
+
+    from kvzap_export.bench.timing import machine
+
+    torch.manual_seed(0)
+    suites = _suites(device)
+    chosen = [name for name in suites if only is None or name in only]
+    advance = progress("benchmarks", len(chosen)) if progress else None
+    results = {}
+    for name in chosen:
+        results[name] = suites[name]()
+        if advance:
+            advance()
+    return {
+        "schema": SCHEMA,
+        "machine": machine(device),
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["kvzap-export", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("kvzap-export") else "kvzap-export bench",
+        "torch": torch.__version__,
+        "results": results,
+    }

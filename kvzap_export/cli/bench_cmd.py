@@ -1,0 +1,63 @@
+"""``kvzap-export bench``: what KVzap costs next to attention, and what it frees."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+SUITES = ("scoring", "compaction", "overhead", "e2e")
+
+
+def _fmt(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _table(title: str, rows: list[dict]):
+    """Columns that vary between rows; the ones every row shares go in the caption."""
+    from rich.table import Table
+
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "benchmark"]
+    shared = [k for k in keys if all(k in row for row in rows) and len({_fmt(row[k]) for row in rows}) == 1]
+    varying = [k for k in keys if k not in shared]
+    caption = ", ".join(f"{k} {_fmt(rows[0][k])}" for k in shared) if len(rows) > 1 else None
+    table = Table(title=title, caption=caption)
+    for key in (varying if len(rows) > 1 else keys):
+        table.add_column(key, overflow="fold")
+    for row in rows:
+        table.add_row(*[_fmt(row.get(k, "")) for k in (varying if len(rows) > 1 else keys)])
+    return table
+
+
+@click.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--only", default=",".join(SUITES), show_default=True, help="Comma-separated suites to run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
+def bench(device: str, only: str, as_json: bool) -> None:
+    """Benchmark KVzap: surrogate scoring (ORT vs torch eager vs torch.compile), threshold compaction at
+    4k/32k/128k tokens, overhead vs one attention block (Llama-3.1-8B shapes), and end to end on the
+    embedded model (kvpress masking vs our physically compacted cache). Ratios come from one run.
+    """
+    import torch
+
+    from kvzap_export.bench.run import run_bench
+    from kvzap_export.cli.progress import progress_bars
+    from kvzap_export.errors import ConfigError
+
+    chosen = tuple(s.strip() for s in only.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in SUITES]
+    if unknown or not chosen:
+        raise ConfigError(f"--only {only!r}: unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    with progress_bars(enabled=not as_json) as progress:
+        report = run_bench(device, chosen, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(f"{report['machine']} · {report['device']} · {report['date']} · torch {report['torch']}")
+    for name, rows in report["results"].items():
+        console.print(_table(name, rows))
