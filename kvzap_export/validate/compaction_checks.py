@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,8 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
             reason = "onnxrt backend not requested"
         elif kind.endswith("_plugin") and dtype != "float32":
             reason = "the ONNX Runtime implementation of the plugin node takes float32 scores; TensorRT's plugin takes every dtype"
+        elif kind.endswith("_plugin") and importlib.util.find_spec("onnxruntime_extensions") is None:
+            reason = "onnxruntime-extensions is not installed (pip install 'kvzap-export[ortx]'); it runs the plugin node in ORT"
         if reason:
             checks.append(Check(f"operator:{kind}", "operator", "skipped", {"reason": reason}))
             continue

@@ -7,6 +7,8 @@ go to ``BUNDLE/report/polygraphy/`` with the command that replays the check on T
 
 from __future__ import annotations
 
+import importlib.util
+
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -240,6 +242,9 @@ def _model_level(bundle: Path, manifest: dict, model: str | None) -> Check:
         return Check("model:compacted_vs_kvpress", "model", "skipped", {"reason": f"model-level check unavailable ({exc.name})"})
     from kvzap_export.validate.hidden import resolve_model
 
+    if importlib.util.find_spec("kvpress") is None:
+        return Check("model:compacted_vs_kvpress", "model", "skipped",
+                     {"reason": "kvpress (the reference it compares with) is not installed: pip install 'kvzap-export[reference]'"})
     target = resolve_model(manifest, model)
     if target is None:
         return Check("model:compacted_vs_kvpress", "model", "skipped",
