@@ -169,6 +169,7 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             )
             manifest["rebuild"] = rebuild_commands(manifest)
             _write_rebuild_script(writer.path("rebuild.sh"), manifest["rebuild"])
+            manifest = _build_stage(writer, manifest, options, progress)
             if options.check:
                 manifest["parity"] = _validate_stage(writer, manifest, options, progress)
                 if not manifest["parity"]["passed"]:
@@ -184,6 +185,28 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise BundleError(f"--out {options.out}: permission denied while writing ({exc.filename}); choose a writable path (nothing was written)") from None
         raise
+    return manifest
+
+
+def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, progress) -> dict[str, Any]:
+    """TensorRT engines for the bundle under construction (last but one stage); a status line without TensorRT."""
+    from kvzap_export.bundle.manifest import section_digests, write_json_durably
+    from kvzap_export.trt.builder import BuildOptions, build_engines, tensorrt_status
+
+    build = BuildOptions(require_trt=bool(options.extra.get("require_trt")))
+    why_not = tensorrt_status()
+    if why_not is not None:
+        result = build_engines(writer.tmp, build) if build.require_trt else {"tensorrt": None, "status": f"no engines built: {why_not}"}
+        manifest["engines"] = {"tensorrt": None, "status": result["status"]}
+        return manifest
+    manifest["integrity"] = section_digests(manifest)
+    write_json_durably(writer.tmp / "manifest.json", manifest)
+    sources = sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx"))
+    result = build_engines(writer.tmp, build, on_step=progress("build TensorRT engines", sources))
+    from kvzap_export.bundle.manifest import read_manifest
+
+    manifest = read_manifest(writer.tmp)
+    manifest["engines"]["status"] = result["status"]
     return manifest
 
 
@@ -230,6 +253,8 @@ def summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "opset": manifest["opset"],
         "pruning": manifest["pruning"],
         "artifacts": len(manifest["artifacts"]),
+        "tensorrt": manifest.get("engines", {}).get("tensorrt"),
+        "engines": manifest.get("engines", {}).get("status"),
         "parity": parity,
         "passed": all(status in ("passed", "skipped") for status in parity.values()),
     }

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be chosen before any kernel is
+# defined (at import of kvzap_export.kernels.triton_compaction), hence here, before test collection.
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ModuleNotFoundError:
+        pass
 
 
 def _cuda_available() -> bool:
@@ -21,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
     has_gpu = _cuda_available()
     has_trt = importlib.util.find_spec("tensorrt") is not None
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
+        if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(no_gpu)
-        if "trt" in item.keywords and not has_trt:
+        if item.get_closest_marker("trt") and not has_trt:
             item.add_marker(no_trt)

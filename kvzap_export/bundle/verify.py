@@ -76,7 +76,7 @@ def _check_engines(bundle: Path, manifest: dict, problems: list[str]) -> None:
         return
     if recorded and trt.__version__ != recorded:
         problems.append(f"engines were built with TensorRT {recorded}, this machine has {trt.__version__}; rebuild with `kvzap-export build`")
-    gpu = manifest.get("build", {}).get("gpu")
+    gpu = manifest.get("engines", {}).get("gpu")
     if gpu:
         try:
             import torch

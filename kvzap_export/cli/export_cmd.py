@@ -28,13 +28,15 @@ def _print_summary(manifest: dict, out: Path) -> None:
         mark = {"passed": "✓", "failed": "✗"}.get(status, "–")
         detail = f" (max abs err {layers['max_abs_error']:.2e})" if name == "operator:surrogate_layers" and layers.get("count") else ""
         table.add_row(name, f"{mark} {status}{detail}")
+    engines = manifest.get("engines", {})
+    table.add_row("TensorRT engines", engines.get("status", "–"))
     if manifest.get("parity"):
         table.add_row("report", str(out / manifest["parity"]["report"]))
     Console(stderr=True).print(table)
 
 
 def run_pipeline_from_cli(*, model, out, variant, weights, dtype, opset, threshold, window, sink, max_tokens,
-                          force, quiet, as_json, no_validate=False, validate_model=None) -> None:
+                          force, quiet, as_json, no_validate=False, validate_model=None, require_trt=False) -> None:
     from kvzap_export.cli.progress import progress_bars
     from kvzap_export.pipeline import ExportOptions, run_pipeline, summary
 
@@ -42,7 +44,7 @@ def run_pipeline_from_cli(*, model, out, variant, weights, dtype, opset, thresho
         raise click.UsageError("--model and --out are required")
     options = ExportOptions(model=model, out=Path(out), variant=variant, weights=weights, dtype=dtype, opset=opset,
                             threshold=threshold, window=window, sink=sink, max_tokens=max_tokens, force=force,
-                            check=not no_validate, extra={"validate_model": validate_model})
+                            check=not no_validate, extra={"validate_model": validate_model, "require_trt": require_trt})
     with progress_bars(enabled=not (quiet or as_json)) as progress:
         manifest = run_pipeline(options, progress=progress)
     result = summary(manifest)

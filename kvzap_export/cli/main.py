@@ -18,6 +18,7 @@ from kvzap_export.errors import KvzapError
 # name -> "module:attribute" of a click command; imported only when that command runs.
 COMMANDS: dict[str, str] = {
     "bench": "kvzap_export.cli.bench_cmd:bench",
+    "build": "kvzap_export.cli.build_cmd:build",
     "evaluate": "kvzap_export.cli.evaluate_cmd:evaluate",
     "export": "kvzap_export.cli.export_cmd:export",
     "inspect": "kvzap_export.cli.bundle_cmd:inspect",

@@ -22,6 +22,9 @@ PIPELINE_OPTIONS = [
     click.option("--sink", default=None, type=int, help="First tokens always kept (our extension; 0 = kvpress semantics)."),
     click.option("--max-tokens", default=8192, show_default=True, type=int,
                  help="Largest token count per surrogate call that TensorRT profiles will cover."),
+    click.option("--require-trt", is_flag=True,
+                 help="Fail (exit 2) unless TensorRT and a GPU are present to build engines; by default the build "
+                      "stage is skipped with a one-line status and the manifest records tensorrt: null."),
     click.option("--no-validate", is_flag=True,
                  help="Skip the validation stage (then run `kvzap-export validate DIR` yourself)."),
     click.option("--validate-model", default=None, metavar="PRESET|PATH",

@@ -123,17 +123,22 @@ def recompact(stored_scores: torch.Tensor, physical_lengths: torch.Tensor, thres
     return threshold_compaction(stored_scores, physical_lengths, threshold, window, sink)
 
 
-def kv_compaction(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Moves each head's kept entries to the front in order; the tail is zero.
-
-    keys, values: (batch, kv_heads, seq, head_dim); indices: (batch, kv_heads, seq) int, -1 = none.
-    """
+def check_kv_inputs(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """Validates the K/V move's inputs (shared by the reference and the kernels)."""
     if keys.dim() != 4 or values.shape != keys.shape:
         raise InputError(f"keys and values must both be [batch, kv_heads, seq, head_dim], got {list(keys.shape)} and {list(values.shape)}")
     if indices.shape != keys.shape[:3]:
         raise InputError(f"indices must be [batch, kv_heads, seq] = {list(keys.shape[:3])}, got {list(indices.shape)}")
     if indices.is_floating_point():
         raise InputError(f"indices must be integers, got {indices.dtype}")
+
+
+def kv_compaction(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves each head's kept entries to the front in order; the tail is zero.
+
+    keys, values: (batch, kv_heads, seq, head_dim); indices: (batch, kv_heads, seq) int, -1 = none.
+    """
+    check_kv_inputs(keys, values, indices)
     valid = indices >= 0
     gather = torch.where(valid, indices, 0).to(torch.int64)[..., None].expand_as(keys)
     mask = valid[..., None]
