@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from kvzap_export import __version__
 from kvzap_export.bundle import SCHEMA_VERSION, BundleWriter, tool_versions
-from kvzap_export.errors import BundleError, ConfigError
+from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError
 from kvzap_export.export.dtypes import canonical_dtype, check_opset
 from kvzap_export.presets import VARIANTS, Preset, load_preset
 
@@ -154,6 +155,11 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
 
     progress = progress or _noop_progress
     resolved = resolve(options)
+    if options.extra.get("require_trt"):  # fail before the export's work, not after it
+        from kvzap_export.trt.availability import tensorrt_status
+
+        if (why_not := tensorrt_status()) is not None:
+            raise MissingDependencyError(f"--require-trt: {why_not}")
     weights_dir = resolve_weights(resolved.preset, resolved.variant, options.weights)
     surrogate = load_surrogate(weights_dir, resolved.preset)
     num_layers = surrogate.config.n_modules
@@ -189,24 +195,28 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
 
 
 def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, progress) -> dict[str, Any]:
-    """TensorRT engines for the bundle under construction (last but one stage); a status line without TensorRT."""
-    from kvzap_export.bundle.manifest import section_digests, write_json_durably
-    from kvzap_export.trt.builder import BuildOptions, build_engines, tensorrt_status
+    """TensorRT engines for the bundle under construction (the last stage but validation).
 
-    build = BuildOptions(require_trt=bool(options.extra.get("require_trt")))
+    Without TensorRT or a GPU: a one-line status and ``engines.tensorrt: null``, unless ``--require-trt``.
+    """
+    from kvzap_export.trt.availability import tensorrt_status
+    from kvzap_export.trt.builder import BuildOptions, build_into
+
     why_not = tensorrt_status()
     if why_not is not None:
-        result = build_engines(writer.tmp, build) if build.require_trt else {"tensorrt": None, "status": f"no engines built: {why_not}"}
-        manifest["engines"] = {"tensorrt": None, "status": result["status"]}
+        if options.extra.get("require_trt"):
+            raise MissingDependencyError(f"--require-trt: {why_not}")
+        manifest["engines"] = {"tensorrt": None, "status": f"no engines built: {why_not}"}
         return manifest
-    manifest["integrity"] = section_digests(manifest)
-    write_json_durably(writer.tmp / "manifest.json", manifest)
     sources = sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx"))
-    result = build_engines(writer.tmp, build, on_step=progress("build TensorRT engines", sources))
-    from kvzap_export.bundle.manifest import read_manifest
-
-    manifest = read_manifest(writer.tmp)
-    manifest["engines"]["status"] = result["status"]
+    try:
+        build_into(writer.tmp, manifest, BuildOptions(require_trt=bool(options.extra.get("require_trt"))),
+                   on_step=progress("build TensorRT engines", sources))
+    except BundleError as exc:  # the ONNX bundle still ships; the status says what failed
+        if options.extra.get("require_trt"):
+            raise
+        shutil.rmtree(writer.tmp / "engines", ignore_errors=True)
+        manifest["engines"] = {"tensorrt": None, "status": f"engine build failed: {exc}"}
     return manifest
 
 

@@ -64,32 +64,46 @@ def _check_surrogate(bundle: Path, manifest: dict, problems: list[str]) -> None:
         problems.append(f"surrogate: checkpoint is {cfg.variant}, the manifest says {manifest['surrogate']['variant']}")
 
 
-def _check_engines(bundle: Path, manifest: dict, problems: list[str]) -> None:
-    """Engines are tied to a TensorRT version and GPU; check them only where TensorRT can tell."""
+def _check_engines(manifest: dict, problems: list[str], notes: list[str]) -> None:
+    """Engines are tied to a TensorRT version and a GPU: check both where TensorRT (and a GPU) can tell."""
+    from kvzap_export.trt.availability import gpu_name, import_tensorrt
+
     engines = [a for a in manifest.get("artifacts", []) if a.get("kind") == "trt_engine"]
-    recorded = manifest.get("tools", {}).get("tensorrt")
     if not engines:
         return
-    try:
-        import tensorrt as trt
-    except ModuleNotFoundError:
+    sources = {a["path"] for a in manifest.get("artifacts", []) if a.get("kind") != "trt_engine"}
+    for engine in engines:
+        if engine.get("source") not in sources:
+            problems.append(f"{engine['path']}: built from {engine.get('source')!r}, which is not an artifact of this bundle")
+    built = manifest.get("engines") or {}
+    recorded = built.get("tensorrt") or manifest.get("tools", {}).get("tensorrt")
+    trt, why_not = import_tensorrt()
+    if trt is None:
+        notes.append(f"{len(engines)} TensorRT engine(s) not checked against this machine: {why_not}")
         return
     if recorded and trt.__version__ != recorded:
-        problems.append(f"engines were built with TensorRT {recorded}, this machine has {trt.__version__}; rebuild with `kvzap-export build`")
-    gpu = manifest.get("engines", {}).get("gpu")
-    if gpu:
-        try:
-            import torch
+        message = f"engines were built with TensorRT {recorded}, this machine has {trt.__version__}"
+        if built.get("version_compatible"):
+            notes.append(f"{message} (version-compatible engines: a later TensorRT can run them)")
+        else:
+            problems.append(f"{message}; rebuild with `kvzap-export build`")
+    gpu, here = built.get("gpu"), gpu_name()
+    if gpu and here is None:
+        notes.append(f"engines were built for GPU {gpu!r}; no CUDA GPU is visible here, so the GPU was not checked")
+    elif gpu and here != gpu:
+        message = f"engines were built for GPU {gpu!r}, this machine has {here!r}"
+        if built.get("hardware_compat") in ("ampere+", "same"):
+            notes.append(f"{message} (built with hardware compatibility {built['hardware_compat']!r})")
+        else:
+            problems.append(f"{message}; rebuild with `kvzap-export build`")
 
-            here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-        except ModuleNotFoundError:
-            here = None
-        if here and here != gpu:
-            problems.append(f"engines were built for GPU {gpu!r}, this machine has {here!r}; rebuild with `kvzap-export build`")
 
+def verify_bundle(bundle: str | os.PathLike, *, check_engines: bool = True, notes: list[str] | None = None) -> list[str]:
+    """Returns every problem found (empty list: the bundle is intact and consistent).
 
-def verify_bundle(bundle: str | os.PathLike) -> list[str]:
-    """Returns every problem found (empty list: the bundle is intact and consistent)."""
+    ``check_engines``: also require TensorRT engines to match this machine's TensorRT version and GPU, where
+    TensorRT is importable; what could not be checked is appended to ``notes`` when given.
+    """
     bundle = Path(bundle)
     manifest = read_manifest(bundle)  # raises BundleError for unreadable / wrong schema
     problems: list[str] = integrity_problems(manifest)
@@ -117,5 +131,6 @@ def verify_bundle(bundle: str | os.PathLike) -> list[str]:
     if layers != list(range(manifest["model"]["num_layers"])):
         problems.append(f"surrogate layers {layers[:5]}... do not cover the model's {manifest['model']['num_layers']} layers")
     _check_surrogate(bundle, manifest, problems)
-    _check_engines(bundle, manifest, problems)
+    if check_engines:
+        _check_engines(manifest, problems, notes if notes is not None else [])
     return problems

@@ -15,15 +15,20 @@ from kvzap_export.errors import BundleError
 def verify(bundle: str, as_json: bool) -> None:
     """Check a bundle: schema, every sha256, every ONNX graph and its I/O, the surrogate's dimensions.
 
-    Exits 0 when the bundle is intact, 2 listing every problem otherwise.
+    TensorRT engines must match this machine's TensorRT version and GPU where TensorRT is importable; otherwise
+    a note says they were not checked. Exits 0 when the bundle is intact, 2 listing every problem otherwise.
     """
     from kvzap_export.bundle.verify import verify_bundle
 
-    problems = verify_bundle(bundle)
+    notes: list[str] = []
+    problems = verify_bundle(bundle, notes=notes)
     if as_json:
-        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems}, indent=2))
-    elif not problems:
-        click.echo(f"✓ {bundle}: intact")
+        click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems, "notes": notes}, indent=2))
+    else:
+        for note in notes:
+            click.echo(f"– {note}")
+        if not problems:
+            click.echo(f"✓ {bundle}: intact")
     if problems:
         if not as_json:
             for problem in problems:

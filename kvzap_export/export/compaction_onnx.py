@@ -1,4 +1,4 @@
-"""ONNX graphs of the compaction op: standard ops (TensorRT-friendly), one plugin node, and the K/V move.
+"""ONNX graphs of the compaction op: standard ops (TensorRT-friendly), the plugin node, and the K/V move.
 
 ``threshold_compaction`` uses no TopK and no NonZero: ``c = CumSum(keep)`` ranks kept tokens; a kept
 token goes to ``c - 1``, an evicted one to ``count + t - c`` (a stable partition, hence a permutation
@@ -108,11 +108,18 @@ def threshold_compaction_graph(num_kv_heads: int, dtype: str = "float32", opset:
 
 
 def plugin_graph(num_kv_heads: int, dtype: str = "float32", opset: int = 20, sink: int = 0) -> onnx.ModelProto:
-    """One node: TensorRT maps it to the plugin by op_type/version/namespace; ORT runs our custom op."""
-    node = helper.make_node(PLUGIN_OP, ["scores", "lengths", "threshold", "window"], ["keep", "counts", "indices"],
+    """The plugin node, then a Cast of its ``keep`` to bool.
+
+    TensorRT maps the node to the plugin by op_type/version/namespace; ORT runs our custom op. TensorRT plugins
+    cannot output bool (NvInferRuntime.h, ``IPluginV3OneBuild::getOutputDataTypes``) and its ONNX parser refuses
+    an int32 tensor as a bool graph output, so the C++ plugin emits ``keep`` as int32 0/1 and the Cast gives the
+    bool of the contract (a bool-emitting implementation, as ORT's custom op, goes through an identity Cast).
+    """
+    node = helper.make_node(PLUGIN_OP, ["scores", "lengths", "threshold", "window"], ["keep_plugin", "counts", "indices"],
                             domain=PLUGIN_DOMAIN, plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, sink=sink)
+    cast = helper.make_node("Cast", ["keep_plugin"], ["keep"], to=TensorProto.BOOL)
     inputs, outputs = _io(dtype, num_kv_heads)
-    graph = helper.make_graph([node], "kvzap_threshold_compaction_plugin", inputs, outputs)
+    graph = helper.make_graph([node, cast], "kvzap_threshold_compaction_plugin", inputs, outputs)
     return _model(graph, opset, extra=[helper.make_opsetid(PLUGIN_DOMAIN, 1)])
 
 

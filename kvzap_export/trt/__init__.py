@@ -1,1 +1,4 @@
-"""TensorRT: the engine builder (``builder``). TensorRT itself is imported lazily, only when present."""
+"""TensorRT: whether it can be used here (``availability``) and the engine builder (``builder``).
+
+TensorRT is imported lazily, only inside functions, and only where it is present.
+"""

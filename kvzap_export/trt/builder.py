@@ -1,80 +1,138 @@
 """TensorRT engines for a bundle's ONNX artifacts (TensorRT 10.x / 11.x Python API).
 
-One engine per artifact, strongly typed (the ONNX types give the precision; TensorRT 11 removed the
-FP16/BF16 builder flags), one optimization profile per dynamic input from the bundle's ``max_tokens``,
-a persistent timing cache, optional hardware- and version-compatibility. The plugin-node artifact is
-built only with a plugin library (``--plugin-lib``, from ``plugins/``); otherwise it is skipped with
-that reason. Engines land in ``engines/`` and the manifest records them (``trt_engine`` artifacts with
-their ``source``, ``tools.tensorrt``, ``engines.{tensorrt, gpu}``), with hashes and integrity digests
-recomputed and the manifest rewritten durably.
+One engine per ONNX artifact, in ``engines/<name>.plan``:
 
-Status: this module has never run — TensorRT cannot be installed on the machines of this project.
-Its TensorRT names are checked against the real TensorRT 11.4 bindings (tests/trt/test_trt_api_names.py).
+- strongly typed network (``NetworkDefinitionCreationFlag.STRONGLY_TYPED``): the precision comes from the ONNX
+  types, as TensorRT 11 requires (it removed the FP16/BF16 builder flags); no precision flag is ever set;
+- one optimization profile per engine covering every dynamic input: ``num_tokens`` up to the bundle's
+  ``max_tokens``, ``seq`` up to ``max_seq`` (default: ``max_tokens``, capped by the model's context length),
+  ``batch`` up to ``max_batch``; opt = min(512, max), batch opt 1;
+- a persistent timing cache (default ``engines/timing.cache`` inside the bundle, or ``--timing-cache PATH``);
+- optional hardware compatibility (``ampere+``: any Ampere-or-newer GPU; ``same``: any GPU of this compute
+  capability) and version compatibility (later TensorRT versions can run the engine; the plugin library is then
+  serialized into the plugin engine);
+- the plugin-node artifact needs the plugin library (``plugins/``, ``--plugin-lib``); without it that artifact is
+  skipped and the reason recorded.
+
+The manifest records each engine as a ``trt_engine`` artifact (``source``, ``inputs``/``outputs`` of the source,
+``profile``), ``tools.tensorrt`` and an ``engines`` section (TensorRT version, GPU name and compute capability,
+options, skipped artifacts, status). ``build_engines`` rewrites an existing bundle atomically through
+``BundleWriter`` (hashes and integrity digests recomputed); the pipeline calls ``build_into`` on the bundle it is
+writing.
+
+Status: this module has never run: TensorRT cannot be installed on the machines of this project. Every TensorRT
+name it uses is checked against the real TensorRT 11.4 bindings (tests/trt/test_trt_api_names.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvzap_export.bundle.manifest import (MANIFEST_NAME, read_manifest, section_digests, sha256_file,
-                                          write_json_durably)
-from kvzap_export.errors import BundleError, MissingDependencyError
+from kvzap_export.bundle.manifest import MANIFEST_NAME, read_manifest
+from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError
+from kvzap_export.trt.availability import gpu_name, import_tensorrt, tensorrt_status
 
 ENGINE_DIR = "engines"
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
-HARDWARE_COMPAT = {"none": "NONE", "ampere+": "AMPERE_PLUS", "same-cc": "SAME_COMPUTE_CAPABILITY"}
+HARDWARE_COMPAT = ("none", "ampere+", "same")
+PLUGIN_KINDS = ("threshold_compaction_plugin",)
+OPT_TOKENS = 512
+BUILD_PLUGIN = "cmake -S plugins -B build -DTensorRT_ROOT=DIR && cmake --build build"
+
+_loaded_plugin_libraries: set[str] = set()  # the registry refuses a library whose plugins are already registered
 
 
 @dataclass
 class BuildOptions:
+    """How engines are built; the defaults suit the GPU they are built on."""
+
     require_trt: bool = False
     plugin_libraries: tuple[str, ...] = ()
     timing_cache: str | None = None  # default: BUNDLE/engines/timing.cache
-    hardware_compat: str = "none"
+    hardware_compat: str = "none"  # none | ampere+ | same
     version_compatible: bool = False
     workspace_gib: float = 4.0
+    max_batch: int = 8
+    max_seq: int | None = None  # default: max_tokens, capped by the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.hardware_compat not in HARDWARE_COMPAT:
+            raise ConfigError(f"--hardware-compat {self.hardware_compat!r}: use one of {list(HARDWARE_COMPAT)}")
+        if not self.workspace_gib > 0:
+            raise ConfigError(f"--workspace-gib {self.workspace_gib!r} must be positive")
+        for name, value in (("--max-batch", self.max_batch), ("--max-seq", self.max_seq)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} {value!r} must be a positive integer")
 
 
-def tensorrt_status() -> str | None:
-    """None when engines can be built here; otherwise why not, in one line."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return "TensorRT is not installed (pip install tensorrt, on a machine with an NVIDIA GPU)"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "TensorRT is installed but no CUDA GPU is visible"
-    return None
+def default_max_seq(manifest: dict) -> int:
+    """``max_tokens``, capped by the model's context length when the manifest records it."""
+    context = manifest.get("config", {}).get("preset", {}).get("max_position_embeddings")
+    return min(manifest["max_tokens"], context) if isinstance(context, int) and context > 0 else manifest["max_tokens"]
 
 
-def _profile_shapes(artifact: dict, max_tokens: int) -> dict[str, tuple[tuple, tuple, tuple]]:
-    """min/opt/max per input: symbolic dims get 1 / min(512, max) / max (batch: 1 / 1 / 8)."""
+def profile_shapes(artifact: dict, max_tokens: int, max_batch: int = 8, max_seq: int | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) shape of every input with a symbolic dimension; static inputs need none.
+
+    ``batch``: 1 / 1 / max_batch; ``seq``: 1 / min(512, max_seq) / max_seq; any other symbol (``num_tokens``):
+    1 / min(512, max_tokens) / max_tokens.
+    """
+    max_seq = max_seq or max_tokens
+    ranges = {"batch": (1, 1, max_batch), "seq": (1, min(OPT_TOKENS, max_seq), max_seq)}
+    tokens = (1, min(OPT_TOKENS, max_tokens), max_tokens)
     shapes = {}
     for name, (_dtype, dims) in artifact["inputs"].items():
         if all(isinstance(d, int) for d in dims):
             continue
-        lo, opt, hi = [], [], []
-        for d in dims:
-            if isinstance(d, int):
-                lo.append(d), opt.append(d), hi.append(d)
-            elif d == "batch":
-                lo.append(1), opt.append(1), hi.append(8)
-            else:
-                lo.append(1), opt.append(min(512, max_tokens)), hi.append(max_tokens)
-        shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+        triples = [(d, d, d) if isinstance(d, int) else ranges.get(d, tokens) for d in dims]
+        shapes[name] = tuple(tuple(t[i] for t in triples) for i in range(3))
     return shapes
 
 
-def _build_one(trt, logger, onnx_path: Path, shapes: dict, options: BuildOptions, cache_bytes: bytes | None):
+def engine_path_for(source: str) -> str:
+    return f"{ENGINE_DIR}/{Path(source).with_suffix('.plan').name}"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Never writes into an existing file (it may be a hard link into the bundle being replaced)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _load_plugin_libraries(trt, libraries: tuple[str, ...]) -> None:
+    registry = trt.get_plugin_registry()
+    for library in libraries:
+        path = Path(library).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"--plugin-lib {library}: no such file; build the plugin library with `{BUILD_PLUGIN}`")
+        if str(path) in _loaded_plugin_libraries:
+            continue
+        if registry.load_library(str(path)) is None:
+            raise ConfigError(f"--plugin-lib {library}: TensorRT could not load it (see the TensorRT log above)")
+        _loaded_plugin_libraries.add(str(path))
+
+
+def _build_one(trt, logger, onnx_path: Path, label: str, shapes: dict, options: BuildOptions,
+               cache_bytes: bytes | None, plugin: bool) -> tuple[bytes, bytes]:
+    """One serialized engine and the updated timing cache; ``label`` names the artifact in errors."""
     builder = trt.Builder(logger)
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # 10.x needs it; 11.x: always typed
-    network = builder.create_network(flags)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))  # 11.x: always on
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
-        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BundleError(f"{onnx_path.name}: TensorRT's ONNX parser failed: " + " | ".join(errors))
+        errors = [" ".join(str(parser.get_error(i)).split()) for i in range(parser.num_errors)]
+        raise BundleError(f"{label}: TensorRT {trt.__version__}'s ONNX parser reported {len(errors)} error(s): "
+                          + " | ".join(errors))
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * (1 << 30)))
     if shapes:
@@ -83,69 +141,125 @@ def _build_one(trt, logger, onnx_path: Path, shapes: dict, options: BuildOptions
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
     cache = config.create_timing_cache(cache_bytes or b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
-    if options.hardware_compat != "none":
-        config.hardware_compatibility_level = getattr(trt.HardwareCompatibilityLevel, HARDWARE_COMPAT[options.hardware_compat])
+    if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+        # A cache from another GPU or TensorRT version (or a damaged file): start a fresh one rather than fail.
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+    if options.hardware_compat == "ampere+":
+        config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+    elif options.hardware_compat == "same":
+        config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY
     if options.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+        if plugin:  # the engine carries its plugin library, so a later runtime needs no --plugin-lib
+            config.plugins_to_serialize = [str(Path(p).expanduser().resolve()) for p in options.plugin_libraries]
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise BundleError(f"{onnx_path.name}: TensorRT could not build an engine (see the TensorRT log above)")
+        raise BundleError(f"{label}: TensorRT {trt.__version__} could not build an engine (see the TensorRT log above)")
     return bytes(plan), bytes(config.get_timing_cache().serialize())
 
 
-def build_engines(bundle: str | Path, options: BuildOptions | None = None, on_step=None) -> dict[str, Any]:
-    """Builds every engine it can; returns ``{"tensorrt": version|None, "status": str, "engines": [...]}``."""
+def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: Callable[[], None] | None = None
+               ) -> dict[str, Any]:
+    """Builds the engines of the bundle in ``directory`` (being written) and records them in ``manifest``.
+
+    Writes ``engines/*.plan`` and the timing cache; leaves hashing to the bundle writer's commit.
+    Returns ``{"tensorrt", "gpu", "status", "engines", "skipped"}``.
+    """
+    trt, why_not = import_tensorrt()
+    if trt is None:
+        raise MissingDependencyError(why_not)
+    import torch
+
+    directory = Path(directory)
+    logger = trt.Logger(trt.Logger.WARNING)
+    _load_plugin_libraries(trt, options.plugin_libraries)
+    cache_path = Path(options.timing_cache).expanduser() if options.timing_cache else directory / TIMING_CACHE
+    cache_bytes = cache_path.read_bytes() if cache_path.is_file() else None
+    max_seq = options.max_seq or default_max_seq(manifest)
+    built: list[dict] = []
+    skipped: list[dict] = []
+    for artifact in [a for a in manifest["artifacts"] if a["kind"] != "trt_engine" and a["path"].endswith(".onnx")]:
+        plugin = artifact["kind"] in PLUGIN_KINDS
+        if plugin and not options.plugin_libraries:
+            skipped.append({"source": artifact["path"], "reason": "needs the TensorRT plugin library: pass --plugin-lib "
+                            f"build/libkvzap_trt_plugin.so (built by `{BUILD_PLUGIN}`)"})
+        else:
+            shapes = profile_shapes(artifact, manifest["max_tokens"], options.max_batch, max_seq)
+            plan, cache_bytes = _build_one(trt, logger, directory / artifact["path"], artifact["path"], shapes, options,
+                                           cache_bytes, plugin)
+            path = engine_path_for(artifact["path"])
+            if any(e["path"] == path for e in built):
+                raise BundleError(f"{artifact['path']}: its engine name {path} is taken by another artifact")
+            _write_atomically(directory / path, plan)
+            built.append({"kind": "trt_engine", "path": path, "source": artifact["path"], "inputs": artifact["inputs"],
+                          "outputs": artifact["outputs"],
+                          "profile": {name: {"min": list(lo), "opt": list(opt), "max": list(hi)} for name, (lo, opt, hi) in shapes.items()}})
+        if on_step:
+            on_step()
+    if cache_bytes:
+        _write_atomically(cache_path, cache_bytes)
+    inside = cache_path.resolve().is_relative_to(directory.resolve())
+    version, gpu = trt.__version__, gpu_name()
+    major, minor = torch.cuda.get_device_capability(0)
+    status = f"built {len(built)} engine(s)" + (f", skipped {len(skipped)}" if skipped else "") + f" (TensorRT {version}, {gpu})"
+    manifest["artifacts"] = [a for a in manifest["artifacts"] if a["kind"] != "trt_engine"] + built
+    manifest.setdefault("tools", {})["tensorrt"] = version
+    manifest["engines"] = {
+        "tensorrt": version, "gpu": gpu, "compute_capability": f"{major}.{minor}", "status": status,
+        "hardware_compat": options.hardware_compat, "version_compatible": options.version_compatible,
+        "workspace_gib": options.workspace_gib, "max_batch": options.max_batch, "max_seq": max_seq,
+        "max_tokens": manifest["max_tokens"],
+        "timing_cache": cache_path.resolve().relative_to(directory.resolve()).as_posix() if inside else str(cache_path.resolve()),
+        "plugin_libraries": [Path(p).name for p in options.plugin_libraries], "skipped": skipped,
+    }
+    return {"tensorrt": version, "gpu": gpu, "status": status, "engines": built, "skipped": skipped}
+
+
+def _stage_copy(bundle: Path, staging: Path) -> None:
+    """The bundle's files into ``staging``, except the manifest (the commit writes it) and old engine plans.
+
+    Hard links where the filesystem allows: nothing in the staging copy is written in place (engines and the
+    timing cache are replaced atomically, the manifest is not linked), so the original stays intact.
+    """
+    for path in sorted(bundle.rglob("*")):
+        relative = path.relative_to(bundle)
+        if not path.is_file() or relative.as_posix() == MANIFEST_NAME:
+            continue
+        if relative.parts[0] == ENGINE_DIR and path.suffix == ".plan":
+            continue
+        target = staging / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+def build_engines(bundle: str | Path, options: BuildOptions | None = None,
+                  on_step: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Builds the engines of an existing bundle and rewrites it atomically.
+
+    Without TensorRT or a GPU the bundle is left unchanged and the status says why (``require_trt``: raises
+    ``MissingDependencyError`` instead). A bundle that fails ``verify`` is refused: rebuilding would bless it.
+    """
+    from kvzap_export.bundle.verify import verify_bundle
+    from kvzap_export.bundle.writer import BundleWriter
+
     options = options or BuildOptions()
     bundle = Path(bundle)
+    manifest = read_manifest(bundle)
     why_not = tensorrt_status()
     if why_not is not None:
         if options.require_trt:
             raise MissingDependencyError(f"--require-trt: {why_not}")
-        return {"tensorrt": None, "status": f"no engines built: {why_not}", "engines": [], "skipped": []}
-    manifest = read_manifest(bundle)
-    import tensorrt as trt
-    import torch
-
-    logger = trt.Logger(trt.Logger.WARNING)
-    registry = trt.get_plugin_registry()
-    for library in options.plugin_libraries:
-        registry.load_library(str(library))
-    cache_path = Path(options.timing_cache) if options.timing_cache else bundle / TIMING_CACHE
-    cache_bytes = cache_path.read_bytes() if cache_path.is_file() else None
-    (bundle / ENGINE_DIR).mkdir(exist_ok=True)
-    built, skipped = [], []
-    sources = [a for a in manifest["artifacts"] if a["kind"] != "trt_engine" and a["path"].endswith(".onnx")]
-    for artifact in sources:
-        if artifact["kind"].endswith("_plugin") and not options.plugin_libraries:
-            skipped.append({"source": artifact["path"], "reason": "needs the plugin library: --plugin-lib libkvzap_trt_plugin.so"})
-            continue
-        plan, cache_bytes = _build_one(trt, logger, bundle / artifact["path"],
-                                       _profile_shapes(artifact, manifest["max_tokens"]), options, cache_bytes)
-        engine_path = f"{ENGINE_DIR}/{Path(artifact['path']).with_suffix('.plan').name}"
-        (bundle / engine_path).write_bytes(plan)
-        built.append({"kind": "trt_engine", "path": engine_path, "source": artifact["path"], "sha256": sha256_file(bundle / engine_path)})
-        if on_step:
-            on_step()
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    if cache_bytes:
-        cache_path.write_bytes(cache_bytes)
-    gpu = torch.cuda.get_device_name()
-    _record(bundle, manifest, built, trt.__version__, gpu, options)
-    return {"tensorrt": trt.__version__, "gpu": gpu, "status": f"built {len(built)} engines", "engines": built, "skipped": skipped}
-
-
-def _record(bundle: Path, manifest: dict, built: list[dict], version: str, gpu: str, options: BuildOptions) -> None:
-    """Adds the engines to the manifest, re-hashes and rewrites it durably."""
-    manifest["artifacts"] = [a for a in manifest["artifacts"] if a["kind"] != "trt_engine"] + built
-    manifest["tools"]["tensorrt"] = version
-    manifest["engines"] = {"tensorrt": version, "gpu": gpu, "hardware_compat": options.hardware_compat,
-                           "version_compatible": options.version_compatible, "timing_cache": TIMING_CACHE}
-    files = {}
-    for path in sorted(bundle.rglob("*")):
-        relative = path.relative_to(bundle).as_posix()
-        if path.is_file() and relative != MANIFEST_NAME and not relative.startswith("report/") and not relative.startswith("."):
-            files[relative] = sha256_file(path)
-    manifest["files"] = files
-    manifest["integrity"] = section_digests(manifest)
-    write_json_durably(bundle / MANIFEST_NAME, manifest)
+        return {"tensorrt": None, "gpu": None, "status": f"no engines built: {why_not}; bundle unchanged",
+                "engines": [], "skipped": []}
+    problems = verify_bundle(bundle, check_engines=False)
+    if problems:
+        raise BundleError(f"{bundle}: the bundle fails verification ({problems[0]}; {len(problems)} problem(s) in all); "
+                          f"run `kvzap-export verify {bundle}` and re-export it")
+    with BundleWriter(bundle, force=True) as writer:
+        _stage_copy(bundle, writer.tmp)
+        result = build_into(writer.tmp, manifest, options, on_step)
+        writer.commit(manifest)
+    return result

@@ -83,10 +83,12 @@ def test_std_ops_graph_is_tensorrt_friendly(tmp_path):
 def test_plugin_node_attributes(tmp_path):
     export_compaction_artifacts(tmp_path, 8, 128, "float16", 20, sink=2)
     model = onnx.load(str(tmp_path / PATHS["threshold_compaction_plugin"]))
-    (node,) = model.graph.node
+    node, cast = model.graph.node  # the plugin node, then keep cast to bool (TensorRT plugins cannot output bool)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert node.op_type == PLUGIN_OP
     assert attrs == {"plugin_version": b"1", "plugin_namespace": b"kvzap", "sink": 2}
+    assert cast.op_type == "Cast" and list(cast.input) == [node.output[0]] and list(cast.output) == ["keep"]
+    assert onnx.helper.get_attribute_value(cast.attribute[0]) == onnx.TensorProto.BOOL
 
 
 @pytest.mark.slow

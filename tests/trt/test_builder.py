@@ -1,15 +1,23 @@
 """``kvzap-export build`` and the pipeline's build stage: honest without TensorRT, real with it."""
 
+import hashlib
 import json
+import os
+import shutil
 
 import pytest
 
+from kvzap_export.bundle.manifest import section_digests
 from kvzap_export.cli.main import main
+from kvzap_export.errors import ConfigError
 from kvzap_export.presets import load_preset
-from kvzap_export.trt.builder import _profile_shapes, tensorrt_status
+from kvzap_export.trt.availability import tensorrt_status
+from kvzap_export.trt.builder import BuildOptions, _stage_copy, _write_atomically, default_max_seq, profile_shapes
 from tests.helpers import synthetic_checkpoint
 
 SMALL = "name: small\nhidden_size: 64\nnum_layers: 2\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
+NO_TRT = tensorrt_status()
+without_trt = pytest.mark.skipif(NO_TRT is None, reason="TensorRT and a GPU are present: the no-TensorRT path does not apply")
 
 
 @pytest.fixture(scope="module")
@@ -20,38 +28,58 @@ def small(tmp_path_factory):
     return root, weights
 
 
+@pytest.fixture(scope="module")
+def exported(small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exported") / "b"
+    assert _export(small, out) == 0
+    return out
+
+
+@pytest.fixture
+def bundle(exported, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(exported, copy)
+    return copy
+
+
 def _export(small, out, *extra):
     root, weights = small
     return main(["--model", str(root / "small.yaml"), "--weights", str(weights), "--out", str(out), "--quiet",
                  "--no-validate", *extra])
 
 
-@pytest.mark.skipif(tensorrt_status() is None, reason="TensorRT and a GPU are present: the no-TensorRT path does not apply")
-def test_without_tensorrt_build_says_so_and_exits_0(small, tmp_path, capsys):
-    out = tmp_path / "b"
-    assert _export(small, out) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+def _tree(bundle):
+    return {p.relative_to(bundle).as_posix(): p.read_bytes() for p in sorted(bundle.rglob("*")) if p.is_file()}
+
+
+@without_trt
+def test_without_tensorrt_the_export_records_null_and_build_says_so_in_one_line(bundle, capsys):
+    manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["engines"]["tensorrt"] is None and manifest["tools"]["tensorrt"] is None
-    assert "TensorRT is not installed" in manifest["engines"]["status"]
+    assert manifest["engines"]["status"] == f"no engines built: {NO_TRT}"
+    before = _tree(bundle)
     capsys.readouterr()
-    assert main(["build", str(out)]) == 0
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no engines built: TensorRT is not installed" in err
-    assert main(["verify", str(out)]) == 0  # nothing half-written
-    assert not (out / "engines").exists()
+    assert main(["build", str(bundle)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"{bundle}: no engines built: TensorRT is not installed")
+    assert "bundle unchanged" in captured.err
+    assert _tree(bundle) == before and not (bundle / "engines").exists()
+    assert main(["verify", str(bundle)]) == 0
 
 
-@pytest.mark.skipif(tensorrt_status() is None, reason="TensorRT and a GPU are present")
-def test_require_trt_is_fatal_and_writes_nothing(small, tmp_path, capsys):
-    out = tmp_path / "b"
+@without_trt
+def test_require_trt_is_fatal_in_one_line_and_writes_nothing(small, bundle, tmp_path, capsys):
+    out = tmp_path / "fresh"
     assert _export(small, out, "--require-trt") == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: --require-trt: TensorRT is not installed")
-    assert not out.exists() and not list(tmp_path.glob(".b.tmp*"))
-    assert _export(small, out) == 0
-    capsys.readouterr()
-    assert main(["build", str(out), "--require-trt"]) == 2
-    assert "--require-trt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --require-trt: TensorRT is not installed")
+    assert not out.exists() and not list(tmp_path.glob(".fresh.*"))
+    before = _tree(bundle)
+    assert main(["build", str(bundle), "--require-trt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --require-trt: TensorRT is not installed")
+    assert _tree(bundle) == before
 
 
 def test_build_of_a_missing_bundle_is_a_user_error(tmp_path, capsys):
@@ -59,27 +87,129 @@ def test_build_of_a_missing_bundle_is_a_user_error(tmp_path, capsys):
     assert "not a bundle directory" in capsys.readouterr().err
 
 
-def test_profiles_cover_max_tokens(small, tmp_path):
+def test_build_help_names_every_option(capsys):
+    assert main(["build", "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--require-trt", "--plugin-lib", "--timing-cache", "--hardware-compat", "ampere+|same",
+                   "--version-compatible", "--workspace-gib", "--max-batch", "--max-seq", "Examples"):
+        assert option in text, option
+
+
+def test_profiles_cover_max_tokens_batch_and_sequence(small, tmp_path):
     out = tmp_path / "b"
     assert _export(small, out, "--max-tokens", "4096") == 0
     manifest = json.loads((out / "manifest.json").read_text())
     layer = next(a for a in manifest["artifacts"] if a["kind"] == "surrogate_layer")
-    assert _profile_shapes(layer, manifest["max_tokens"]) == {"hidden_states": ((1, 64), (512, 64), (4096, 64))}
+    assert profile_shapes(layer, manifest["max_tokens"]) == {"hidden_states": ((1, 64), (512, 64), (4096, 64))}
     compaction = next(a for a in manifest["artifacts"] if a["kind"] == "threshold_compaction")
-    shapes = _profile_shapes(compaction, manifest["max_tokens"])
-    assert shapes["scores"] == ((1, 2, 1), (1, 2, 512), (8, 2, 4096)) and shapes["lengths"] == ((1,), (1,), (8,))
-    assert "threshold" not in shapes  # static scalar inputs need no profile
+    shapes = profile_shapes(compaction, manifest["max_tokens"], max_batch=4, max_seq=default_max_seq(manifest))
+    assert shapes == {"scores": ((1, 2, 1), (1, 2, 512), (4, 2, 4096)), "lengths": ((1,), (1,), (4,))}  # scalars: none
+    kv = next(a for a in manifest["artifacts"] if a["kind"] == "kv_compaction")
+    assert profile_shapes(kv, 4096, max_seq=300)["keys"] == ((1, 2, 1, 16), (1, 2, 300, 16), (8, 2, 300, 16))
+    manifest["config"]["preset"]["max_position_embeddings"] = 2048  # the model's context caps the sequence
+    assert default_max_seq(manifest) == 2048
+
+
+@pytest.mark.parametrize("bad", [{"hardware_compat": "turing+"}, {"workspace_gib": 0}, {"max_batch": 0}, {"max_seq": -1}])
+def test_build_options_reject_bad_values(bad):
+    with pytest.raises(ConfigError):
+        BuildOptions(**bad)
+
+
+def test_staging_copy_shares_no_writable_file_with_the_original(bundle, tmp_path):
+    """The rebuild stages the bundle with hard links: writes there must never reach the original files."""
+    (bundle / "engines").mkdir()
+    (bundle / "engines" / "old.plan").write_bytes(b"old engine")
+    (bundle / "engines" / "timing.cache").write_bytes(b"cache v1")
+    before = _tree(bundle)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    _stage_copy(bundle, staging)
+    staged = set(_tree(staging))
+    assert staged == set(before) - {"manifest.json", "engines/old.plan"}
+    _write_atomically(staging / "engines" / "timing.cache", b"cache v2")
+    _write_atomically(staging / "engines" / "surrogate_layer_000.plan", b"new engine")
+    assert _tree(bundle) == before
+    assert (staging / "engines" / "timing.cache").read_bytes() == b"cache v2"
+
+
+def _with_engine_entry(bundle, **engines):
+    """Adds an engine file and its manifest entries as `build` records them (hashes and digests recomputed)."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    (bundle / "engines").mkdir(exist_ok=True)
+    (bundle / "engines" / "surrogate_layer_000.plan").write_bytes(b"serialized engine")
+    digest = hashlib.sha256(b"serialized engine").hexdigest()
+    layer = manifest["artifacts"][0]
+    manifest["artifacts"].append({"kind": "trt_engine", "path": "engines/surrogate_layer_000.plan", "source": layer["path"],
+                                  "inputs": layer["inputs"], "outputs": layer["outputs"], "sha256": digest})
+    manifest["files"]["engines/surrogate_layer_000.plan"] = digest
+    manifest["tools"]["tensorrt"] = "11.4.0.106"
+    manifest["engines"] = {"tensorrt": "11.4.0.106", "gpu": "NVIDIA H100 80GB HBM3", **engines}
+    manifest["integrity"] = section_digests(manifest)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+@without_trt
+def test_verify_notes_engines_it_cannot_check_without_tensorrt(bundle, capsys):
+    _with_engine_entry(bundle)
+    capsys.readouterr()
+    assert main(["verify", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "1 TensorRT engine(s) not checked against this machine: TensorRT is not installed" in out and "intact" in out
+    assert main(["verify", str(bundle), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and len(report["notes"]) == 1
+
+
+def test_verify_rejects_an_engine_without_its_source(bundle):
+    from kvzap_export.bundle.verify import verify_bundle
+
+    manifest = _with_engine_entry(bundle)
+    manifest["artifacts"][-1]["source"] = "onnx/nowhere.onnx"
+    manifest["integrity"] = section_digests(manifest)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert any("nowhere.onnx" in p and "not an artifact" in p for p in verify_bundle(bundle))
+
+
+@without_trt
+def test_without_tensorrt_build_never_touches_a_bundle_even_a_damaged_one(bundle, capsys):
+    """Without TensorRT nothing is rewritten, so even a damaged bundle only gets the status line."""
+    (bundle / "onnx" / "surrogate_layer_000.onnx").write_bytes(b"damaged")
+    assert main(["build", str(bundle)]) == 0
+    assert "no engines built" in capsys.readouterr().err
 
 
 @pytest.mark.trt
 @pytest.mark.gpu
-def test_engines_are_built_recorded_and_verified(small, tmp_path):
-    out = tmp_path / "b"
-    assert _export(small, out) == 0
-    assert main(["build", str(out), "--require-trt"]) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+def test_engines_are_built_recorded_verified_and_rebuilt_atomically(bundle, tmp_path, capsys):
+    cache = tmp_path / "timing.cache"
+    assert main(["build", str(bundle), "--require-trt", "--timing-cache", str(cache)]) == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
     engines = [a for a in manifest["artifacts"] if a["kind"] == "trt_engine"]
-    assert {e["source"] for e in engines} >= {a["path"] for a in manifest["artifacts"] if a["kind"] == "surrogate_layer"}
-    assert manifest["tools"]["tensorrt"] and manifest["engines"]["gpu"]
-    assert main(["verify", str(out)]) == 0
-    assert main(["validate", str(out), "--backends", "torch,onnxrt,trt", "--no-model-level", "--quiet"]) == 0
+    sources = {a["path"] for a in manifest["artifacts"] if a["kind"] != "trt_engine"}
+    assert {e["source"] for e in engines} == sources - {"compaction/threshold_compaction_plugin.onnx"}
+    assert manifest["engines"]["skipped"][0]["source"] == "compaction/threshold_compaction_plugin.onnx"
+    assert "--plugin-lib" in manifest["engines"]["skipped"][0]["reason"]
+    assert manifest["tools"]["tensorrt"] == manifest["engines"]["tensorrt"] and manifest["engines"]["gpu"]
+    assert all(manifest["files"][e["path"]] == e["sha256"] for e in engines)
+    layer = next(e for e in engines if e["source"].endswith("surrogate_layer_000.onnx"))
+    assert layer["profile"]["hidden_states"]["max"] == [manifest["max_tokens"], 64]
+    assert cache.stat().st_size > 0
+    assert main(["verify", str(bundle)]) == 0
+    assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--no-model-level", "--quiet"]) == 0
+    first = cache.stat().st_mtime_ns
+    assert main(["build", str(bundle), "--require-trt", "--timing-cache", str(cache)]) == 0  # rebuild over itself
+    assert cache.stat().st_mtime_ns >= first and main(["verify", str(bundle)]) == 0
+    assert not list(bundle.parent.glob(".b.tmp-*")) and not list(bundle.parent.glob(".b.old-*"))
+
+
+@pytest.mark.trt
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.environ.get("KVZAP_TRT_PLUGIN_LIB"), reason="set KVZAP_TRT_PLUGIN_LIB to a built "
+                    "libkvzap_trt_plugin.so (cmake -S plugins -B build) to build the plugin-node engine")
+def test_the_plugin_node_builds_with_the_plugin_library(bundle):
+    assert main(["build", str(bundle), "--require-trt", "--plugin-lib", os.environ["KVZAP_TRT_PLUGIN_LIB"]]) == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert any(a["kind"] == "trt_engine" and a["source"].endswith("_plugin.onnx") for a in manifest["artifacts"])
+    assert manifest["engines"]["skipped"] == [] and manifest["engines"]["plugin_libraries"] == ["libkvzap_trt_plugin.so"]
