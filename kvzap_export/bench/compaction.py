@@ -55,8 +55,8 @@ def bench_compaction(device: str = "cpu", lengths=LENGTHS, threshold: float = -7
 
 def _gpu_kernels(seq: int, threshold: float, window: int) -> dict:
     try:
-        from kvzap_export.kernels import threshold_compaction_triton
+        from kvzap_export.kernels.triton_compaction import triton_threshold_compaction
     except ImportError:
         return {}
     scores, lens = _inputs(seq, "cuda")
-    return {"triton_kernel": measure(lambda: threshold_compaction_triton(scores, lens, threshold, window), sync=torch.cuda.synchronize)}
+    return {"triton_kernel": measure(lambda: triton_threshold_compaction(scores, lens, threshold, window), sync=torch.cuda.synchronize)}

@@ -1,10 +1,15 @@
 """Torch custom ops ``kvzap::threshold_compaction`` and ``kvzap::kv_compaction``.
 
-CUDA tensors run the Triton kernels; CPU tensors (or a machine without Triton) run the PyTorch
-reference. Fake implementations give shapes/dtypes to ``torch.compile`` and meta tensors. Engine
-integrations (TensorRT-LLM, SGLang) call these, so every engine shares one decision kernel.
+CUDA tensors run the Triton kernels; CPU tensors (or a machine without Triton) run the PyTorch reference
+(``kvzap_export.ops.compaction``). Fake implementations give shapes and dtypes to ``torch.compile`` and
+meta tensors. Engine integrations (TensorRT-LLM, SGLang) call these, so every engine shares one kernel.
 
     from kvzap_export.kernels.torch_ops import threshold_compaction, kv_compaction
+
+The public functions validate their inputs (typed ``InputError``) and then call the op. The ops themselves
+(``torch.ops.kvzap.*``) do not re-validate on CUDA: validation reads ``lengths`` back to the host, which
+would synchronize the stream and break CUDA-graph capture. The kernels are memory-safe for any lengths,
+window and sink, and out-of-range K/V indices read nothing.
 """
 
 from __future__ import annotations
@@ -15,21 +20,21 @@ from kvzap_export.ops import compaction as reference
 from kvzap_export.ops.compaction import Compaction
 
 
-def _use_kernel(t: torch.Tensor) -> bool:
+def _kernels(t: torch.Tensor):
+    """The Triton kernel module when ``t`` lives on a CUDA device and triton is installed, else None."""
     if t.device.type != "cuda":
-        return False
+        return None
     from kvzap_export.kernels import triton_compaction
 
-    return triton_compaction.triton is not None
+    return triton_compaction if triton_compaction.triton is not None else None
 
 
 @torch.library.custom_op("kvzap::threshold_compaction", mutates_args=())
 def _threshold_compaction(scores: torch.Tensor, lengths: torch.Tensor, threshold: float, window: int,
                           sink: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_kernel(scores):
-        from kvzap_export.kernels.triton_compaction import triton_threshold_compaction
-
-        return tuple(triton_threshold_compaction(scores, lengths, threshold, window, sink))
+    kernels = _kernels(scores)
+    if kernels is not None:
+        return tuple(kernels.launch_threshold_compaction(scores, lengths, threshold, window, sink))
     return tuple(reference.threshold_compaction(scores, lengths, threshold, window, sink))
 
 
@@ -42,10 +47,9 @@ def _(scores, lengths, threshold, window, sink):
 
 @torch.library.custom_op("kvzap::kv_compaction", mutates_args=())
 def _kv_compaction(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_kernel(keys):
-        from kvzap_export.kernels.triton_compaction import triton_kv_compaction
-
-        return triton_kv_compaction(keys, values, indices)
+    kernels = _kernels(keys)
+    if kernels is not None:
+        return kernels.launch_kv_compaction(keys, values, indices)
     return reference.kv_compaction(keys, values, indices)
 
 
@@ -55,11 +59,19 @@ def _(keys, values, indices):
 
 
 def threshold_compaction(scores: torch.Tensor, lengths: torch.Tensor, threshold, window, sink=0) -> Compaction:
-    """``kvzap_export.ops.threshold_compaction`` through the custom op (validated first, typed errors)."""
+    """``kvzap_export.ops.threshold_compaction`` through the custom op (validated first, typed errors).
+
+    scores: (batch, kv_heads, seq) float; lengths: (batch,) int. Returns keep bool (batch, kv_heads, seq),
+    counts int32 (batch, kv_heads), indices int32 (batch, kv_heads, seq).
+    """
     tau, win, snk = reference.check_inputs(scores, lengths, threshold, window, sink)
     return Compaction(*torch.ops.kvzap.threshold_compaction(scores, lengths, tau, win, snk))
 
 
 def kv_compaction(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kvzap_export.ops.kv_compaction`` through the custom op.
+
+    keys, values: (batch, kv_heads, seq, head_dim); indices: (batch, kv_heads, seq) int, -1 = none.
+    """
     reference.check_kv_inputs(keys, values, indices)
     return torch.ops.kvzap.kv_compaction(keys, values, indices)
