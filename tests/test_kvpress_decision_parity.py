@@ -36,23 +36,31 @@ def tolerance(threshold: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def reference_inputs(tmp_path_factory):
+    """The test data every kvpress parity test shares: the model, a kvpress-format surrogate, the prompt."""
     from pydoc_data.topics import topics
 
     from kvzap_export.llm import load_llm
-    from kvzap_export.pipeline import ExportOptions, run_pipeline
     from kvzap_export.presets import load_preset
-    from kvzap_export.runners.onnxrt import ort_session
     from tests.helpers import synthetic_checkpoint
 
     llm, tokenizer = load_llm("smollm2-135m")
     root = tmp_path_factory.mktemp("parity")
     # A kvpress-format surrogate with SmolLM2's shapes (random weights, fixed seed; scaled to spread the scores).
     weights = synthetic_checkpoint(load_preset("smollm2-135m"), "mlp", root / "weights", seed=7, scale=3.0)
-    bundle = root / "bundle"
-    manifest = run_pipeline(ExportOptions(model="smollm2-135m", out=bundle, weights=str(weights), check=False))
     ids = tokenizer(topics["for"] + topics["while"] + topics["try"], return_tensors="pt").input_ids[:, :PROMPT_TOKENS]
     assert ids.shape[1] == PROMPT_TOKENS
+    return llm, weights, ids
+
+
+@pytest.fixture(scope="module")
+def setup(reference_inputs):
+    from kvzap_export.pipeline import ExportOptions, run_pipeline
+    from kvzap_export.runners.onnxrt import ort_session
+
+    llm, weights, ids = reference_inputs
+    bundle = weights.parent / "bundle"
+    manifest = run_pipeline(ExportOptions(model="smollm2-135m", out=bundle, weights=str(weights), check=False))
     layers = sorted((a for a in manifest["artifacts"] if a["kind"] == "surrogate_layer"), key=lambda a: a["layer"])
     compaction = next(a for a in manifest["artifacts"] if a["kind"] == "threshold_compaction")
     sessions = {"layers": [ort_session(bundle / a["path"]) for a in layers],
@@ -60,15 +68,18 @@ def setup(tmp_path_factory):
     return llm, bundle, sessions, ids
 
 
-def kvpress_run(llm, bundle, ids, threshold, decoding):
-    """kvpress's masked positions per layer, plus the hidden states and kvpress scores of every fed token."""
+def kvpress_run(llm, checkpoint, ids, threshold, decoding):
+    """kvpress's masked positions per layer, plus the hidden states and kvpress scores of every fed token.
+
+    checkpoint: the kvpress-format surrogate directory (a bundle's ``surrogate/``).
+    """
     from kvpress import DMSPress, KVzapPress
     from kvpress.presses.kvzap_press import KVzapModel
 
     from kvzap_export.llm import capture_hidden_states
 
     scorer = KVzapPress(model_type="mlp")
-    scorer.kvzap_model = KVzapModel.from_pretrained(str(bundle / "surrogate"))
+    scorer.kvzap_model = KVzapModel.from_pretrained(str(checkpoint))
     # The name post_init_from_model derives from the model: set, so kvpress does not try to download.
     scorer.kvzap_model_name = f"nvidia/KVzap-mlp-{llm.config.name_or_path.split('/')[-1]}"
     scores: dict[int, list[torch.Tensor]] = {}
@@ -141,13 +152,13 @@ def test_masked_key_indices_reproduced(setup, decoding):
     llm, bundle, sessions, ids = setup
     prompt_len = ids.shape[1]
     # Thresholds from kvpress's own score distribution over the evictable prefix.
-    _, _, probe_scores, _ = kvpress_run(llm, bundle, ids, threshold=-1e30, decoding=False)
+    _, _, probe_scores, _ = kvpress_run(llm, bundle / "surrogate", ids, threshold=-1e30, decoding=False)
     probe = np.concatenate([s[:, : prompt_len - WINDOW].ravel() for s in probe_scores])
     results = []
     for q in QUANTILES:
         threshold = float(np.quantile(probe, q))
         tol = tolerance(threshold)
-        masked, hidden, ref_scores, pruned = kvpress_run(llm, bundle, ids, threshold, decoding)
+        masked, hidden, ref_scores, pruned = kvpress_run(llm, bundle / "surrogate", ids, threshold, decoding)
         total = prompt_len + (NEW_TOKENS - 1 if decoding else 0)  # the last generated token is never fed
         assert all(h.shape[1] == total for h in hidden.values()) and all(s.shape[1] == total for s in ref_scores)
         kept, ours = our_kept(sessions, hidden, threshold, prompt_len, decoding)

@@ -21,12 +21,15 @@ class UniformSelection(NamedTuple):
     counts: torch.Tensor
 
 
-def uniform_selection(scores: torch.Tensor, keep: torch.Tensor, lengths: torch.Tensor) -> UniformSelection:
+def uniform_selection(scores: torch.Tensor, keep: torch.Tensor, lengths: torch.Tensor,
+                      counts: torch.Tensor | None = None) -> UniformSelection:
     """Per request, every head keeps ``K_b`` = max kept count over heads (and layers) tokens.
 
     scores, keep: (batch, kv_heads, seq) for one layer, or (layers, batch, kv_heads, seq) for all layers
     (then ``K_b`` is shared by every layer, as a slot/block table shared by layers requires).
     lengths: (batch,). Extra tokens are each head's best-scored evicted valid ones (ties: earlier first).
+    counts: optional (batch,) ``K_b`` to use instead of the local maximum, e.g. agreed across
+    tensor-parallel ranks that each hold some of the heads; each must lie in [local max, lengths[b]].
     """
     if scores.shape != keep.shape or scores.dim() not in (3, 4):
         raise InputError(f"scores and keep must share a [batch, heads, seq] or [layers, batch, heads, seq] shape, got "
@@ -37,8 +40,14 @@ def uniform_selection(scores: torch.Tensor, keep: torch.Tensor, lengths: torch.T
     seq = scores.shape[-1]
     pos = torch.arange(seq, device=scores.device)
     valid = pos < lengths.to(scores.device, torch.int64)[None, :, None, None]
-    counts = keep.sum(-1)  # [L, B, H]
-    per_request = counts.amax(dim=(0, 2)).to(torch.int32)  # [B]
+    per_request = keep.sum(-1).amax(dim=(0, 2)).to(torch.int32)  # [B]
+    if counts is not None:
+        counts = counts.to(device=per_request.device, dtype=torch.int32).reshape(-1)
+        limit = lengths.to(device=per_request.device, dtype=torch.int32).reshape(-1)
+        if counts.shape != per_request.shape or bool((counts < per_request).any()) or bool((counts > limit).any()):
+            raise InputError(f"counts must be [batch] with kept max <= counts <= lengths; got {counts.tolist()} for kept max "
+                             f"{per_request.tolist()} and lengths {limit.tolist()}")
+        per_request = counts
     # Kept first (their own set), then evicted valid tokens by descending score, padding last.
     priority = torch.where(keep, torch.inf, torch.where(valid, scores.float().nan_to_num(nan=torch.inf), -torch.inf))
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices

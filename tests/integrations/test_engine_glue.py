@@ -1,0 +1,243 @@
+"""The engine glue's own logic on the CPU, with stand-ins shaped like the engines' objects.
+
+SGLang: slots, ``req_to_token`` rows, per-layer ``[slots, heads, dim]`` K/V buffers, an allocator;
+TensorRT-LLM: paged ``[pages, 2, heads, tokens_per_block, dim]`` pools, ``LlmRequest``-like requests.
+Each K/V entry stores its own logical position, so after every eviction the test reads back which token
+each (layer, head, slot) holds and compares it with kvpress's decisions (reference) and the core state.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
+from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
+from tests.integrations.kvpress_reference import kvpress_masked
+
+LAYERS, KV_HEADS, HIDDEN, DIM = 3, 2, 16, 4
+WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def surrogate():
+    torch.manual_seed(3)
+    return Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, LAYERS, None)).eval()
+
+
+def mode(extend: bool):
+    return SimpleNamespace(is_extend=lambda: extend, is_decode=lambda: not extend)
+
+
+# ---- SGLang ---------------------------------------------------------------------------------------
+
+class FakeSGLang:
+    """One request in an SGLang-shaped world: pools, allocator, batch, forward batches."""
+
+    def __init__(self, num_slots=64):
+        self.k = [torch.full((num_slots, KV_HEADS, DIM), -1.0) for _ in range(LAYERS)]
+        self.v = [torch.full((num_slots, KV_HEADS, DIM), -1.0) for _ in range(LAYERS)]
+        self.free = list(range(num_slots - 1, 0, -1))  # slot 0 is SGLang's padding slot
+        self.req_to_token = torch.zeros(4, 128, dtype=torch.int32)
+        kvcache = SimpleNamespace(get_key_buffer=lambda layer: self.k[layer], get_value_buffer=lambda layer: self.v[layer])
+        self.allocator = SimpleNamespace(free=lambda idx: self.free.extend(idx.tolist()), get_kvcache=lambda: kvcache)
+        self.req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=2, kv_committed_len=0, kv_allocated_len=0))
+        self.seq_len = 0
+        self.logical = 0
+
+    def forward(self, runtime, hidden: torch.Tensor, extend: bool):
+        """Allocates slots, writes K/V (= logical positions), runs the scoring hook, then the step end."""
+        n = hidden.shape[0]
+        slots = torch.tensor([self.free.pop() for _ in range(n)], dtype=torch.int64)
+        row = self.req_to_token[2]
+        row[self.seq_len: self.seq_len + n] = slots.to(torch.int32)
+        prefix = self.seq_len
+        self.seq_len += n
+        self.req.kv.kv_allocated_len = self.req.kv.kv_committed_len = self.seq_len  # SGLang's own bookkeeping
+        positions = torch.arange(prefix, prefix + n)
+        fb = SimpleNamespace(forward_mode=mode(extend), out_cache_loc=slots, req_pool_indices=torch.tensor([2]),
+                             seq_lens=torch.tensor([self.seq_len]), positions=positions,
+                             extend_seq_lens=torch.tensor([n]) if extend else None,
+                             extend_prefix_lens=torch.tensor([prefix]) if extend else None)
+        runtime.shift_positions(fb)
+        assert fb.positions.tolist() == list(range(self.logical, self.logical + n))  # RoPE stays logical
+        for layer in range(LAYERS):
+            self.k[layer][slots] = fb.positions.float()[:, None, None].expand(n, KV_HEADS, DIM)
+            self.v[layer][slots] = -fb.positions.float()[:, None, None].expand(n, KV_HEADS, DIM)
+            runtime.score(layer, hidden, fb)
+        self.logical += n
+        batch = SimpleNamespace(forward_mode=mode(extend), reqs=[self.req],
+                                req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token),
+                                token_to_kv_pool_allocator=self.allocator, seq_lens=torch.tensor([self.seq_len]),
+                                seq_lens_cpu=torch.tensor([self.seq_len]), orig_seq_lens=torch.tensor([self.seq_len]),
+                                seq_lens_sum=self.seq_len, prefix_lens=[prefix], extend_lens=[n])
+        runtime.on_step_end(batch)
+        self.seq_len = int(batch.seq_lens_cpu[0])
+        assert int(batch.seq_lens[0]) == self.seq_len == self.req.kv.kv_allocated_len == self.req.kv.kv_committed_len
+
+    def held(self, layer: int) -> torch.Tensor:
+        """Logical positions held per head: [H, seq_len]."""
+        slots = self.req_to_token[2, : self.seq_len].to(torch.int64)
+        k = self.k[layer][slots, :, 0].T
+        assert torch.equal(self.v[layer][slots, :, 0].T, -k)
+        return k.to(torch.int64)
+
+
+@pytest.mark.parametrize("decoding", [True, False], ids=["decoding", "prefill_only"])
+def test_sglang_evict_mode_frees_slots_and_keeps_kvpress_sets(surrogate, decoding):
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    scorer = BundleScorer(surrogate)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40 + 12, HIDDEN, generator=g)
+    with torch.no_grad():
+        all_scores = torch.stack([scorer.score(layer, hidden).T for layer in range(LAYERS)])
+    threshold = float(all_scores.median())
+    runtime = KVzapSGLang(scorer, KVzapPolicy(threshold, window=WINDOW, decoding=decoding), mode="evict")
+    world = FakeSGLang()
+    free_before = len(world.free)
+    world.forward(runtime, hidden[:40], extend=True)
+    for t in range(40, 52):
+        world.forward(runtime, hidden[t: t + 1], extend=False)
+    steps = [all_scores[..., :40]] + [all_scores[..., t: t + 1] for t in range(40, 52)]
+    expected = ~kvpress_masked(steps, threshold, WINDOW, decoding)
+    state = runtime.states[2]
+    assert world.seq_len == state.physical_length < 52 and state.logical_length == 52
+    assert len(world.free) == free_before - world.seq_len  # every evicted slot went back to the allocator
+    for layer in range(LAYERS):
+        held = world.held(layer)
+        assert torch.equal(held, state.positions[layer, :, : world.seq_len])
+        for h in range(KV_HEADS):
+            assert set(torch.nonzero(expected[layer, h]).flatten().tolist()) <= set(held[h].tolist())
+        assert torch.equal(state.visible(layer), expected[layer])
+
+
+def test_sglang_positions_of_a_reused_request_row_start_at_zero(surrogate):
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0), mode="evict")
+    runtime._set_offset(2, 17, 4)  # the row's previous request had evicted 17 tokens
+    fb = SimpleNamespace(forward_mode=mode(True), positions=torch.tensor([0, 1, 2, 5, 6]), req_pool_indices=torch.tensor([2, 1]),
+                         extend_seq_lens=torch.tensor([3, 2]), extend_prefix_lens=torch.tensor([0, 5]))
+    runtime._set_offset(1, 4, 4)
+    runtime.shift_positions(fb)
+    assert fb.positions.tolist() == [0, 1, 2, 9, 10]
+    decode = SimpleNamespace(forward_mode=mode(False), positions=torch.tensor([30, 8]), req_pool_indices=torch.tensor([2, 1]),
+                             extend_seq_lens=None, extend_prefix_lens=None)
+    runtime.shift_positions(decode)
+    assert decode.positions.tolist() == [47, 12]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sglang_mask_mode_matches_per_head_masked_attention(surrogate):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    scorer = BundleScorer(surrogate)
+    hidden = torch.randn(30, HIDDEN, generator=torch.Generator().manual_seed(1))
+    policy = KVzapPolicy(0.0, window=WINDOW, layout="ragged")
+    runtime = KVzapSGLang(scorer, policy, mode="mask")
+    world = FakeSGLang()
+    world.forward(runtime, hidden, extend=True)
+    assert world.seq_len == 30  # masking frees nothing
+    q_heads = 2 * KV_HEADS
+    layer = SimpleNamespace(layer_id=1, tp_q_head_num=q_heads, tp_k_head_num=KV_HEADS)
+    fb = SimpleNamespace(req_pool_indices=torch.tensor([2]), seq_lens=torch.tensor([31]))
+    (mask,) = runtime.decode_block_masks(layer, fb, "cpu")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, q_heads, 1, DIM, generator=g), torch.randn(1, KV_HEADS, 31, DIM, generator=g), torch.randn(
+        1, KV_HEADS, 31, DIM, generator=g)
+    visible = runtime.visible(2, 1, 31)
+    assert visible[:, 30].all() and torch.equal(visible[:, :30], runtime.states[2].visible(1))
+    assert not visible.all()  # something is masked at this threshold
+    ours = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible.repeat_interleave(2, 0)[None, :, None],
+                                                           enable_gqa=True)
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+# ---- TensorRT-LLM ------------------------------------------------------------------------------------
+
+def test_paged_move_matches_dense_gather():
+    from kvzap_export.integrations.trtllm import move_paged_kv
+
+    tpb, pages = 4, torch.tensor([5, 2, 7])
+    pool = torch.randn(8, 2, KV_HEADS, tpb, DIM)
+    dense = pool[pages].permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, DIM).clone()  # [2, H, tokens, D]
+    indices = torch.tensor([[0, 3, 4, 9, 11], [1, 2, 5, 6, 10]])
+    move_paged_kv(pool, pages, indices)
+    after = pool[pages].permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, DIM)
+    for h in range(KV_HEADS):
+        assert torch.equal(after[:, h, :5], dense[:, h, indices[h]])
+
+
+def test_trtllm_compression_flow(surrogate):
+    """Chunked context then generation: moves, logical counts and the published compressed-token count."""
+    from kvzap_export.integrations.trtllm import KVzapCompression, KVzapScorer, attach_scorer, move_paged_kv
+
+    scorer = KVzapScorer(BundleScorer(surrogate))
+
+    class Attention(torch.nn.Module):  # TensorRT-LLM's Attention.forward(position_ids, hidden_states, attn_metadata)
+        def forward(self, position_ids, hidden_states, attn_metadata):
+            return hidden_states
+
+    modules = [(i, Attention()) for i in range(LAYERS)]
+    handles = attach_scorer(modules, scorer)
+    tpb = 4
+    pools = [torch.zeros(32, 2, KV_HEADS, tpb, DIM) for _ in range(LAYERS)]
+    pages = torch.arange(3, 3 + 16)
+    length = {"physical": 0}
+
+    def mover(request, decision):
+        for layer, pool in enumerate(pools):
+            move_paged_kv(pool, pages, decision.indices[layer])
+        length["physical"] = decision.uniform_count
+
+    policy = KVzapPolicy(0.0, window=WINDOW)
+    logic = KVzapCompression(scorer, policy, mover=mover)
+    request = SimpleNamespace(py_request_id=7, context_chunk_size=0, py_num_compressed_tokens=0)
+    logic.request_init(request)
+    hidden = torch.randn(44, HIDDEN, generator=torch.Generator().manual_seed(4))
+
+    def forward(tokens, positions):
+        for p_idx, p in enumerate(positions):
+            for pool in pools:
+                t = length["physical"] + p_idx
+                pool[pages[t // tpb], :, :, t % tpb] = float(p)
+        for layer, module in modules:
+            module(torch.tensor(positions), hidden_states=tokens, attn_metadata=None)
+        length["physical"] += len(positions)
+
+    for start, stop, last in ((0, 20, False), (20, 36, True)):  # two context chunks
+        request.context_chunk_size = stop - start
+        forward(hidden[start:stop], list(range(start, stop)))
+        logic.step_end([request], [request] if last else [], [])
+    for t in range(36, 44):
+        forward(hidden[t: t + 1], [t])
+        logic.step_end([], [], [request])
+    state = logic.states[7]
+    assert request.py_num_compressed_tokens == 44 - length["physical"] == state.num_compressed_tokens > 0
+    for layer, pool in enumerate(pools):
+        dense = pool[pages].permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, DIM)[:, :, : length["physical"], 0]
+        assert torch.equal(dense[0].to(torch.int64), state.positions[layer])
+    for h in handles:
+        h.remove()
+
+
+def test_context_sparse_kv_layout(surrogate):
+    from kvzap_export.integrations.core import context_budget
+    from kvzap_export.integrations.trtllm import context_sparse_kv
+
+    scorer = BundleScorer(surrogate)
+    hidden = torch.randn(50 + 9, HIDDEN, generator=torch.Generator().manual_seed(5))
+    layer_scores = scorer.score(0, hidden)
+    policy = KVzapPolicy(0.0, window=WINDOW)
+    indices, offsets = context_sparse_kv(layer_scores, [50, 9], policy, keep_fraction=0.4)
+    budgets = [context_budget(50, 0.4, WINDOW), context_budget(9, 0.4, WINDOW)]
+    assert budgets == [20, 6]
+    assert indices.shape == (KV_HEADS, sum(budgets)) and indices.dtype == torch.int32 and offsets.dtype == torch.int32
+    assert offsets.tolist() == [0, 20, 26]
+    assert bool((indices[:, 20:] < 9).all()) and bool((indices[:, 14:20] == torch.arange(44, 50, dtype=torch.int32)).all())
