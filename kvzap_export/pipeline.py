@@ -227,7 +227,10 @@ def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions
 
     manifest["integrity"] = section_digests(manifest)
     write_json_durably(writer.tmp / "manifest.json", manifest)  # validate reads the bundle as a user would
-    report = validate_bundle(writer.tmp, model=options.extra.get("validate_model"),
+    # Engines built by the previous stage are validated too (the plugin-node engine is never built there).
+    built = any(a["kind"] == "trt_engine" for a in manifest["artifacts"])
+    report = validate_bundle(writer.tmp, ("torch", "onnxrt", "trt") if built else ("torch", "onnxrt"),
+                             model=options.extra.get("validate_model"),
                              model_level=options.extra.get("model_level", True), progress=progress,
                              display_name=str(options.out))
     return {

@@ -14,13 +14,17 @@ import click
                    "(trt needs TensorRT, a GPU and engines from `kvzap-export build`).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Device of the PyTorch reference and the model-level run.")
+@click.option("--plugin-lib", "plugin_libs", multiple=True, type=click.Path(), metavar="PATH", envvar="KVZAP_TRT_PLUGIN_LIB",
+              help="With --backends trt: the compaction plugin's library (libkvzap_trt_plugin.so, `cmake -S plugins -B build`), "
+                   "loaded before the plugin-node engine is deserialized (not needed for version-compatible engines). "
+                   "Default: $KVZAP_TRT_PLUGIN_LIB.")
 @click.option("--model", default=None, metavar="PRESET|PATH",
               help="Model for real hidden states and the model-level check: a local HF model directory, or a preset the "
                    "toolkit ships offline (default: the bundle's preset when it is one, e.g. smollm2-135m).")
 @click.option("--no-model-level", is_flag=True, help="Skip the model-level generation check (operator and decision levels only).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def validate(bundle, backends, device, model, no_model_level, quiet, as_json) -> None:
+def validate(bundle, backends, device, plugin_libs, model, no_model_level, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -36,7 +40,8 @@ def validate(bundle, backends, device, model, no_model_level, quiet, as_json) ->
 
     chosen = parse_backends(backends)
     with progress_bars(enabled=not (quiet or as_json)) as progress:
-        report = validate_bundle(bundle, chosen, device=device, model=model, model_level=not no_model_level, progress=progress)
+        report = validate_bundle(bundle, chosen, device=device, model=model, model_level=not no_model_level, progress=progress,
+                                 plugin_libraries=tuple(plugin_libs))
     if as_json:
         click.echo(json.dumps(report, indent=2, default=float))
     elif not quiet:

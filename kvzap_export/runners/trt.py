@@ -3,7 +3,7 @@
 TensorRT is imported lazily and only here; without it, constructing the runner raises
 ``MissingDependencyError``. Buffers are torch CUDA tensors, so no pycuda/cuda-python is needed.
 This runner has never executed on the machines this project is developed on (no TensorRT there);
-its API names are checked against the real TensorRT 11 bindings in tests/build.
+its API names are checked against the real TensorRT 11 bindings in tests/trt/test_trt_api_names.py.
 """
 
 from __future__ import annotations
@@ -14,32 +14,48 @@ import numpy as np
 
 from kvzap_export.errors import MissingDependencyError
 from kvzap_export.runners.base import Metadata, Runner
+from kvzap_export.trt.availability import import_tensorrt, load_plugin_libraries
 
 _NP_OF_TRT = {"FLOAT": "float32", "HALF": "float16", "BF16": "float32", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
 
 
-def import_tensorrt():
-    try:
-        import tensorrt as trt
-    except ModuleNotFoundError:
-        raise MissingDependencyError(
-            "TensorRT is not installed: `pip install tensorrt` (from NVIDIA's package index) on a machine with a GPU"
-        ) from None
-    return trt
-
-
 class TrtRunner(Runner):
-    """Deserializes an engine plan and runs it with ``execute_async_v3`` on the current CUDA stream."""
+    """Deserializes an engine plan and runs it with ``execute_async_v3`` on the current CUDA stream.
+
+    plugin_libraries: shared libraries registering the plugins the engine uses (the compaction plugin,
+    ``plugins/``), loaded before deserializing. host_code_allowed: the engine carries host code (a
+    version-compatible build embeds its lean runtime and any serialized plugin library); TensorRT refuses
+    such an engine unless the runtime allows it, so set it only for engines this toolkit built.
+    """
 
     backend = "trt"
 
-    def __init__(self, engine_path: str | Path, name: str | None = None, plugin_libraries: tuple[str, ...] = ()):
+    def __init__(self, engine_path: str | Path, name: str | None = None, plugin_libraries: tuple[str, ...] = (),
+                 host_code_allowed: bool = False):
         super().__init__(name or f"trt:{Path(engine_path).name}")
         self.engine_path = Path(engine_path)
-        self.plugin_libraries = plugin_libraries
-        self.trt = import_tensorrt()
+        self.plugin_libraries = tuple(plugin_libraries)
+        self.host_code_allowed = host_code_allowed
+        trt, why_not = import_tensorrt()
+        if trt is None:
+            raise MissingDependencyError(why_not)
+        self.trt = trt
+        self.runtime = None
         self.engine = None
         self.context = None
+
+    @classmethod
+    def for_artifact(cls, bundle: str | Path, manifest: dict, source: str,
+                     plugin_libraries: tuple[str, ...] = ()) -> "TrtRunner | None":
+        """The runner of the engine ``kvzap-export build`` made from the artifact ``source``, or None.
+
+        Version-compatible engines (``manifest["engines"]["version_compatible"]``) are allowed their host code.
+        """
+        path = next((a["path"] for a in manifest["artifacts"] if a["kind"] == "trt_engine" and a.get("source") == source), None)
+        if path is None:
+            return None
+        compatible = bool((manifest.get("engines") or {}).get("version_compatible"))
+        return cls(Path(bundle) / path, plugin_libraries=plugin_libraries, host_code_allowed=compatible)
 
     def activate_impl(self) -> None:
         import torch
@@ -48,10 +64,10 @@ class TrtRunner(Runner):
             raise MissingDependencyError("TensorRT engines need a CUDA GPU; none is visible to torch")
         trt = self.trt
         logger = trt.Logger(trt.Logger.WARNING)
-        registry = trt.get_plugin_registry()
-        for library in self.plugin_libraries:
-            registry.load_library(str(library))
-        runtime = trt.Runtime(logger)
+        load_plugin_libraries(trt, self.plugin_libraries)
+        self.runtime = runtime = trt.Runtime(logger)  # kept: the engine must not outlive its runtime
+        if self.host_code_allowed:
+            runtime.engine_host_code_allowed = True
         self.engine = runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
         if self.engine is None:
             raise MissingDependencyError(f"{self.engine_path}: TensorRT could not deserialize this engine (built for another version or GPU?)")
@@ -99,3 +115,4 @@ class TrtRunner(Runner):
     def deactivate_impl(self) -> None:
         self.context = None
         self.engine = None
+        self.runtime = None

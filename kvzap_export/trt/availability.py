@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
+from kvzap_export.errors import ConfigError
+
 INSTALL = "pip install tensorrt (from NVIDIA's package index), on a machine with an NVIDIA GPU"
+BUILD_PLUGIN = "cmake -S plugins -B build -DTensorRT_ROOT=DIR && cmake --build build"
+PLUGIN_LIB_ENV = "KVZAP_TRT_PLUGIN_LIB"
+
+_loaded_plugin_libraries: set[str] = set()  # the registry refuses a library whose plugins are already registered
 
 
 def import_tensorrt() -> tuple[ModuleType | None, str | None]:
@@ -38,3 +45,17 @@ def gpu_name() -> str | None:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def load_plugin_libraries(trt, libraries) -> None:
+    """Registers each plugin library (``--plugin-lib``) with TensorRT once per process."""
+    registry = trt.get_plugin_registry()
+    for library in libraries:
+        path = Path(library).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"--plugin-lib {library}: no such file; build the plugin library with `{BUILD_PLUGIN}`")
+        if str(path) in _loaded_plugin_libraries:
+            continue
+        if registry.load_library(str(path)) is None:
+            raise ConfigError(f"--plugin-lib {library}: TensorRT could not load it (see the TensorRT log above)")
+        _loaded_plugin_libraries.add(str(path))

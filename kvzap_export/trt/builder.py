@@ -35,16 +35,13 @@ from typing import Any
 
 from kvzap_export.bundle.manifest import MANIFEST_NAME, read_manifest
 from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError
-from kvzap_export.trt.availability import gpu_name, import_tensorrt, tensorrt_status
+from kvzap_export.trt.availability import BUILD_PLUGIN, gpu_name, import_tensorrt, load_plugin_libraries, tensorrt_status
 
 ENGINE_DIR = "engines"
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
 HARDWARE_COMPAT = ("none", "ampere+", "same")
 PLUGIN_KINDS = ("threshold_compaction_plugin",)
 OPT_TOKENS = 512
-BUILD_PLUGIN = "cmake -S plugins -B build -DTensorRT_ROOT=DIR && cmake --build build"
-
-_loaded_plugin_libraries: set[str] = set()  # the registry refuses a library whose plugins are already registered
 
 
 @dataclass
@@ -110,19 +107,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _load_plugin_libraries(trt, libraries: tuple[str, ...]) -> None:
-    registry = trt.get_plugin_registry()
-    for library in libraries:
-        path = Path(library).expanduser().resolve()
-        if not path.is_file():
-            raise ConfigError(f"--plugin-lib {library}: no such file; build the plugin library with `{BUILD_PLUGIN}`")
-        if str(path) in _loaded_plugin_libraries:
-            continue
-        if registry.load_library(str(path)) is None:
-            raise ConfigError(f"--plugin-lib {library}: TensorRT could not load it (see the TensorRT log above)")
-        _loaded_plugin_libraries.add(str(path))
-
-
 def _build_one(trt, logger, onnx_path: Path, label: str, shapes: dict, options: BuildOptions,
                cache_bytes: bytes | None, plugin: bool) -> tuple[bytes, bytes]:
     """One serialized engine and the updated timing cache; ``label`` names the artifact in errors."""
@@ -172,7 +156,7 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
 
     directory = Path(directory)
     logger = trt.Logger(trt.Logger.WARNING)
-    _load_plugin_libraries(trt, options.plugin_libraries)
+    load_plugin_libraries(trt, options.plugin_libraries)
     cache_path = Path(options.timing_cache).expanduser() if options.timing_cache else directory / TIMING_CACHE
     cache_bytes = cache_path.read_bytes() if cache_path.is_file() else None
     max_seq = options.max_seq or default_max_seq(manifest)

@@ -53,7 +53,37 @@ def _reference_kv():
     return lambda keys, values, indices: kv_compaction(keys, values, indices)
 
 
-def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
+def _onnxrt_skip_reason(kind: str, dtype: str, backends) -> str | None:
+    if "onnxrt" not in backends:
+        return "onnxrt backend not requested"
+    if kind.endswith("_plugin") and dtype != "float32":
+        return "the ONNX Runtime implementation of the plugin node takes float32 scores; TensorRT's plugin takes every dtype"
+    if kind.endswith("_plugin") and importlib.util.find_spec("onnxruntime_extensions") is None:
+        return "onnxruntime-extensions is not installed (pip install 'kvzap-export[ortx]'); it runs the plugin node in ORT"
+    return None
+
+
+def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plugin_libraries) -> list[tuple[str, object, str | None]]:
+    """``(check name, runner or None, reason when None)`` for each requested backend of this artifact."""
+    kind, dtype = artifact["kind"], manifest["dtype"]
+    out = []
+    reason = _onnxrt_skip_reason(kind, dtype, backends)
+    # ORT CPU has no bfloat16 kernels: bfloat16 graphs run emulated (float32 compute, bf16 rounding).
+    runner = None if reason else OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"),
+                                              bf16_emulation=dtype == "bfloat16")
+    out.append((f"operator:{kind}", runner, reason))
+    if "trt" in backends:
+        from kvzap_export.runners.trt import TrtRunner
+
+        engine = TrtRunner.for_artifact(bundle, manifest, artifact["path"], plugin_libraries)
+        skipped = next((s["reason"] for s in (manifest.get("engines") or {}).get("skipped", []) if s.get("source") == artifact["path"]),
+                       "no TensorRT engine was built from this artifact")
+        out.append((f"operator:{kind}:trt", engine, None if engine else skipped))
+    return out
+
+
+def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_libraries: tuple[str, ...] = ()) -> list:
+    """Each compaction artifact, on each requested backend (ORT; TensorRT engines with ``trt``), vs the reference: exact."""
     from kvzap_export.validate.run import Check
 
     checks = []
@@ -64,37 +94,35 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list:
         kind = artifact["kind"]
         if kind not in ("threshold_compaction", "threshold_compaction_plugin", "kv_compaction"):
             continue
-        reason = None
-        if "onnxrt" not in backends:
-            reason = "onnxrt backend not requested"
-        elif kind.endswith("_plugin") and dtype != "float32":
-            reason = "the ONNX Runtime implementation of the plugin node takes float32 scores; TensorRT's plugin takes every dtype"
-        elif kind.endswith("_plugin") and importlib.util.find_spec("onnxruntime_extensions") is None:
-            reason = "onnxruntime-extensions is not installed (pip install 'kvzap-export[ortx]'); it runs the plugin node in ORT"
-        if reason:
-            checks.append(Check(f"operator:{kind}", "operator", "skipped", {"reason": reason}))
-            continue
         if kind == "kv_compaction":
             feeds, ref_fn, outputs = _kv_feeds(manifest, heads), _reference_kv(), ["keys_out", "values_out"]
         else:
             feeds, ref_fn, outputs = _feeds(manifest, heads, dtype), _reference_compaction(sink, dtype), ["keep", "counts", "indices"]
-        meta = {k: (str(v.dtype), list(v.shape)) for k, v in feeds[0].items()}
-        mismatches, failed = 0, []
-        # ORT CPU has no bfloat16 kernels: bfloat16 graphs run emulated (float32 compute, bf16 rounding).
-        runner = OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"), bf16_emulation=dtype == "bfloat16")
-        with runner:
-            for feed in feeds:
-                reference = TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs)
-                with reference:
-                    ref = reference.infer(feed)
-                for result in compare_outputs(ref, runner.infer(feed), exact(), exact()):
-                    mismatches += max(result.mismatches, 0)
-                    if not result.passed:
-                        failed.append(result.output)
-        checks.append(Check(f"operator:{kind}", "operator", "failed" if failed else "passed",
-                            {"artifact": artifact["path"], "shapes": [list(f[next(iter(meta))].shape) for f in feeds],
-                             "mismatches": mismatches, "comparison": "exact", "backend": runner.backend, **({"failed": sorted(set(failed))} if failed else {})}))
+        references = None
+        for name, runner, reason in _backend_runners(bundle, manifest, artifact, backends, plugin_libraries):
+            if runner is None:
+                checks.append(Check(name, "operator", "skipped", {"reason": reason}))
+                continue
+            if references is None:
+                references = [_run_reference(ref_fn, feed, outputs) for feed in feeds]
+            mismatches, failed = 0, []
+            with runner:
+                for feed, ref in zip(feeds, references):
+                    for result in compare_outputs(ref, runner.infer(feed), exact(), exact()):
+                        mismatches += max(result.mismatches, 0)
+                        if not result.passed:
+                            failed.append(result.output)
+            first = next(iter(feeds[0]))
+            checks.append(Check(name, "operator", "failed" if failed else "passed",
+                                {"artifact": artifact["path"], "shapes": [list(f[first].shape) for f in feeds],
+                                 "mismatches": mismatches, "comparison": "exact", "backend": runner.backend,
+                                 **({"failed": sorted(set(failed))} if failed else {})}))
     return checks
+
+
+def _run_reference(ref_fn, feed: dict, outputs: list[str]) -> dict:
+    with TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs) as reference:
+        return reference.infer(feed)
 
 
 def _kv_feeds(manifest: dict, heads: int) -> list[dict]:

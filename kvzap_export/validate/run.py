@@ -68,9 +68,11 @@ def parse_backends(text: str) -> tuple[str, ...]:
     return names
 
 
-def _surrogate_runners(bundle: Path, artifact: dict, surrogate: Surrogate, dtype: str, backends, engines: dict) -> list[Runner]:
+def _surrogate_runners(bundle: Path, manifest: dict, artifact: dict, surrogate: Surrogate, backends,
+                       plugin_libraries: tuple[str, ...]) -> list[Runner]:
     """Reference first, then each requested backend that can run this graph here."""
     layer = artifact["layer"]
+    dtype = manifest["dtype"]
     np_dtype = "float32" if dtype == "bfloat16" else dtype
     meta = {"hidden_states": (np_dtype, ["num_tokens", surrogate.config.input_dim])}
     torch_dtype = TORCH_DTYPES[dtype]
@@ -78,10 +80,12 @@ def _surrogate_runners(bundle: Path, artifact: dict, surrogate: Surrogate, dtype
                                          meta, ["scores"], name=f"torch:layer{layer}")]
     if "onnxrt" in backends:
         runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16"))
-    if "trt" in backends and artifact["path"] in engines:
+    if "trt" in backends:
         from kvzap_export.runners.trt import TrtRunner
 
-        runners.append(TrtRunner(bundle / engines[artifact["path"]]))
+        engine = TrtRunner.for_artifact(bundle, manifest, artifact["path"], plugin_libraries)
+        if engine is not None:
+            runners.append(engine)
     return runners
 
 
@@ -94,8 +98,9 @@ def _hidden_feeds(hidden: dict[int, torch.Tensor] | None, layer: int, dim: int, 
     return feeds
 
 
-def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends, hidden, engines: dict,
-                    on_step: Callable[[], None] | None = None) -> tuple[list[Check], dict]:
+def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends, hidden,
+                    plugin_libraries: tuple[str, ...] = (), on_step: Callable[[], None] | None = None
+                    ) -> tuple[list[Check], dict]:
     """Every artifact vs the reference; returns checks and the samples used for plots / Polygraphy."""
     dtype = manifest["dtype"]
     atol, rtol = FLOAT_TOLERANCE[dtype]
@@ -103,7 +108,7 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
     for artifact in manifest["artifacts"]:
         if artifact["kind"] != "surrogate_layer":
             continue
-        runners = _surrogate_runners(bundle, artifact, surrogate, dtype, backends, engines)
+        runners = _surrogate_runners(bundle, manifest, artifact, surrogate, backends, plugin_libraries)
         feeds = _hidden_feeds(hidden, artifact["layer"], surrogate.config.input_dim, dtype, seed=0)
         reference, others = runners[0], runners[1:]
         worst: dict[str, Any] = {"max_abs_error": 0.0, "max_rel_error": 0.0, "mismatches": 0}
@@ -134,14 +139,14 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
         checks.append(Check(f"operator:surrogate_layer_{artifact['layer']:03d}", "operator", status, detail))
         if on_step:
             on_step()
-    checks += _check_compaction_artifacts(bundle, manifest, backends)
+    checks += _check_compaction_artifacts(bundle, manifest, backends, plugin_libraries)
     return checks, samples
 
 
-def _check_compaction_artifacts(bundle: Path, manifest: dict, backends) -> list[Check]:
+def _check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_libraries: tuple[str, ...]) -> list[Check]:
     from kvzap_export.validate.compaction_checks import check_compaction_artifacts
 
-    return check_compaction_artifacts(bundle, manifest, backends)
+    return check_compaction_artifacts(bundle, manifest, backends, plugin_libraries)
 
 
 def check_decisions(bundle: Path, manifest: dict, surrogate: Surrogate, hidden: dict[int, torch.Tensor] | None,
@@ -193,8 +198,12 @@ def check_decisions(bundle: Path, manifest: dict, surrogate: Surrogate, hidden: 
 
 def validate_bundle(bundle: str | Path, backends: tuple[str, ...] = ("torch", "onnxrt"), device: str = "cpu",
                     model: str | None = None, model_level: bool = True, progress=None,
-                    display_name: str | None = None) -> dict[str, Any]:
-    """Runs every check and writes ``BUNDLE/report``; returns the report dict (``passed`` is the verdict)."""
+                    display_name: str | None = None, plugin_libraries: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Runs every check and writes ``BUNDLE/report``; returns the report dict (``passed`` is the verdict).
+
+    ``trt`` in ``backends`` runs every engine ``kvzap-export build`` made (``plugin_libraries``: the compaction
+    plugin's library, needed by the plugin-node engine unless it was built version-compatible).
+    """
     from kvzap_export.validate.hidden import real_hidden_states, resolve_model
     from kvzap_export.validate.report import write_report
 
@@ -204,6 +213,9 @@ def validate_bundle(bundle: str | Path, backends: tuple[str, ...] = ("torch", "o
         raise ConfigError(f"--device {device!r}: use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    if "trt" in backends and not any(a["kind"] == "trt_engine" for a in manifest["artifacts"]):
+        raise ConfigError(f"--backends trt: {display_name or bundle} has no TensorRT engines; "
+                          f"run `kvzap-export build {display_name or bundle}` on a TensorRT machine first")
     checks: list[Check] = []
     problems = integrity_problems(manifest)
     checks.append(Check("bundle:manifest_integrity", "bundle", "failed" if problems else "passed", {"problems": problems}))
@@ -214,10 +226,9 @@ def validate_bundle(bundle: str | Path, backends: tuple[str, ...] = ("torch", "o
     hidden = real_hidden_states(manifest, model)
     if advance:
         advance()
-    engines = {a["source"]: a["path"] for a in manifest["artifacts"] if a["kind"] == "trt_engine" and "source" in a}
     n_layers = sum(1 for a in manifest["artifacts"] if a["kind"] == "surrogate_layer")
     advance = progress("operator level: artifacts vs PyTorch", n_layers) if progress else None
-    operator_checks, samples = check_operators(bundle, manifest, surrogate, backends, hidden, engines, on_step=advance)
+    operator_checks, samples = check_operators(bundle, manifest, surrogate, backends, hidden, plugin_libraries, on_step=advance)
     checks += operator_checks
     decision, plots = check_decisions(bundle, manifest, surrogate, hidden, backends)
     checks.append(decision)

@@ -198,6 +198,11 @@ def test_engines_are_built_recorded_verified_and_rebuilt_atomically(bundle, tmp_
     assert cache.stat().st_size > 0
     assert main(["verify", str(bundle)]) == 0
     assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--no-model-level", "--quiet"]) == 0
+    checks = {c["name"]: c for c in json.loads((bundle / "report" / "parity.json").read_text())["checks"]}
+    assert checks["operator:surrogate_layer_000"]["detail"]["backends"] == ["onnxrt", "trt"]
+    assert checks["operator:threshold_compaction:trt"]["status"] == "passed"
+    assert checks["operator:kv_compaction:trt"]["status"] == "passed"
+    assert "--plugin-lib" in checks["operator:threshold_compaction_plugin:trt"]["detail"]["reason"]
     first = cache.stat().st_mtime_ns
     assert main(["build", str(bundle), "--require-trt", "--timing-cache", str(cache)]) == 0  # rebuild over itself
     assert cache.stat().st_mtime_ns >= first and main(["verify", str(bundle)]) == 0
@@ -213,3 +218,31 @@ def test_the_plugin_node_builds_with_the_plugin_library(bundle):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert any(a["kind"] == "trt_engine" and a["source"].endswith("_plugin.onnx") for a in manifest["artifacts"])
     assert manifest["engines"]["skipped"] == [] and manifest["engines"]["plugin_libraries"] == ["libkvzap_trt_plugin.so"]
+    assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--plugin-lib", os.environ["KVZAP_TRT_PLUGIN_LIB"],
+                 "--no-model-level", "--quiet"]) == 0
+    checks = {c["name"]: c for c in json.loads((bundle / "report" / "parity.json").read_text())["checks"]}
+    assert checks["operator:threshold_compaction_plugin:trt"]["status"] == "passed"
+
+
+def test_validate_with_trt_on_a_bundle_without_engines_is_one_line(bundle, capsys):
+    assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--no-model-level", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no TensorRT engines" in err and f"kvzap-export build {bundle}" in err
+    assert not (bundle / "report").exists()  # refused before any check ran: no report written
+
+
+def test_trt_runner_for_an_artifact_follows_the_manifest(bundle):
+    from kvzap_export.errors import MissingDependencyError
+    from kvzap_export.runners.trt import TrtRunner
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    source = next(a["path"] for a in manifest["artifacts"] if a["kind"] == "surrogate_layer")
+    assert TrtRunner.for_artifact(bundle, manifest, source) is None  # no engine built from it
+    manifest["artifacts"].append({"kind": "trt_engine", "path": "engines/x.plan", "source": source})
+    manifest["engines"] = {"version_compatible": True}
+    if NO_TRT is not None and NO_TRT.startswith("TensorRT is not installed"):
+        with pytest.raises(MissingDependencyError, match="TensorRT is not installed"):
+            TrtRunner.for_artifact(bundle, manifest, source)
+    else:
+        runner = TrtRunner.for_artifact(bundle, manifest, source)
+        assert runner.engine_path == bundle / "engines" / "x.plan" and runner.host_code_allowed
