@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plots a `kvzap-export bench --json` result: compaction time vs sequence length, per backend.
 
-Usage: python scripts/plot_bench.py docs/bench/cpu-2026-11-22.json docs/bench/compaction_vs_seq.png
+Usage: python scripts/plot_bench.py docs/bench/cpu-2026-11-23.json docs/bench/compaction_vs_seq.png
 """
 
 from __future__ import annotations

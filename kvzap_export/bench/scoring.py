@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvzap_export.bench.timing import measure
+from kvzap_export.bench.timing import measure_interleaved
 from kvzap_export.export.surrogate_onnx import bind_layer, export_template
 from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
 
@@ -18,14 +18,12 @@ TOKENS = (1, 512, 8192)
 
 
 def _ort_session(surrogate: Surrogate, directory: Path):
-    import onnxruntime as ort
+    from kvzap_export.runners.onnxrt import ort_session
 
     model = bind_layer(export_template(surrogate, "float32", 20), surrogate, 0, "float32")
     path = directory / "layer.onnx"
     path.write_bytes(model.SerializeToString())
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort_session(path)  # as the toolkit's runners configure it
 
 
 def bench_scoring(device: str = "cpu", tokens=TOKENS, compile_torch: bool = True) -> list[dict]:
@@ -43,18 +41,18 @@ def bench_scoring(device: str = "cpu", tokens=TOKENS, compile_torch: bool = True
                 for count in tokens:
                     x = torch.randn(count, hidden, device=device)
                     x_np = x.cpu().numpy()
-                    results = {}
-                    with torch.no_grad():
-                        results["torch_eager"] = measure(lambda: layer(x), sync=sync)
-                        if compiled is not None:
-                            results["torch_compile"] = measure(lambda: compiled(x), sync=sync)
+                    fns = {"torch_eager": lambda: layer(x)}
+                    if compiled is not None:
+                        fns["torch_compile"] = lambda: compiled(x)
                     if session is not None:
-                        results["onnxruntime"] = measure(lambda: session.run(None, {"hidden_states": x_np}))
+                        fns["onnxruntime"] = lambda: session.run(None, {"hidden_states": x_np})
+                    with torch.no_grad():
+                        results = measure_interleaved(fns, sync=sync)
                     for backend, timing in results.items():
                         rows.append({"benchmark": "scoring", "shapes": shape_name, "variant": variant, "tokens": count,
                                      "backend": backend, "median_s": timing["median_s"],
                                      "tokens_per_s": count / timing["median_s"],
-                                     "ratio_vs_eager": results["torch_eager"]["median_s"] / timing["median_s"]})
+                                     "ratio_vs_eager": timing["ratio_vs_first"]})
     return rows
 
 

@@ -8,11 +8,12 @@ from collections.abc import Callable
 
 
 def measure(fn: Callable[[], object], min_seconds: float = 0.3, min_repeats: int = 3, max_repeats: int = 200,
-            sync: Callable[[], None] | None = None) -> dict[str, float]:
-    """Median and min seconds per call of ``fn`` after one warm-up call."""
-    fn()
-    if sync:
-        sync()
+            sync: Callable[[], None] | None = None, warmup: bool = True) -> dict[str, float]:
+    """Median and min seconds per call of ``fn`` (after one warm-up call unless ``warmup=False``)."""
+    if warmup:
+        fn()
+        if sync:
+            sync()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_repeats or (time.perf_counter() - start < min_seconds and len(times) < max_repeats):
@@ -22,6 +23,29 @@ def measure(fn: Callable[[], object], min_seconds: float = 0.3, min_repeats: int
             sync()
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": len(times)}
+
+
+def measure_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, min_seconds: float = 0.3,
+                        sync: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+    """Times several implementations of the same work in alternating rounds, so that a load spike on a shared
+    machine hits all of them rather than one.
+
+    Each round measures every function for ``min_seconds / rounds`` (at least one call; the first round warms
+    each up); per function: ``median_s`` (median of the
+    round medians) and ``ratio_vs_first`` (median over rounds of first-function time / this time: a ratio taken
+    within each round, robust to drifts between rounds).
+    """
+    if not fns:
+        return {}
+    per_round: dict[str, list[float]] = {name: [] for name in fns}
+    for index in range(max(rounds, 1)):
+        for name, fn in fns.items():
+            timing = measure(fn, min_seconds=min_seconds / max(rounds, 1), min_repeats=1, sync=sync, warmup=index == 0)
+            per_round[name].append(timing["median_s"])
+    first = next(iter(fns))
+    return {name: {"median_s": statistics.median(times), "rounds": len(times),
+                   "ratio_vs_first": statistics.median(a / b for a, b in zip(per_round[first], times))}
+            for name, times in per_round.items()}
 
 
 def machine(device: str) -> str:

@@ -46,11 +46,13 @@ def register_custom_ops(options) -> None:
     options.register_custom_ops_library(_define_ops())
 
 
-def ort_session(path: str | Path, custom_ops: bool = False, threads: int | None = None):
-    """An ``onnxruntime.InferenceSession`` on the CPU provider for the ONNX file at ``path``.
+def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: int | None = None):
+    """An ``onnxruntime.InferenceSession`` on the CPU provider for an ONNX file (or serialized model bytes).
 
     ``custom_ops`` registers the plugin-node kernel (needed for ``threshold_compaction_plugin``);
-    ``threads`` caps intra-op threads (``None``: ONNX Runtime's default, one per core).
+    ``threads`` caps intra-op threads (``None``: ONNX Runtime's default, one per core). Idle worker threads
+    do not spin between runs: spinning starves the torch work that runs between calls (model-level checks,
+    the e2e benchmark, interleaved timings) on small machines.
     """
     try:
         import onnxruntime as ort
@@ -58,8 +60,10 @@ def ort_session(path: str | Path, custom_ops: bool = False, threads: int | None 
         raise MissingDependencyError("running ONNX graphs needs onnxruntime: pip install onnxruntime") from None
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads is not None:
         options.intra_op_num_threads = threads
     if custom_ops:
         register_custom_ops(options)
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
+                                providers=["CPUExecutionProvider"])

@@ -31,17 +31,8 @@ class OnnxrtRunner(Runner):
         self.session = None
 
     def activate_impl(self) -> None:
-        import onnxruntime as ort
+        from kvzap_export.runners.onnxrt import ort_session
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        # Idle ORT worker threads otherwise spin for a while after each run, starving the torch work
-        # that runs between artifact calls (model-level checks, the e2e benchmark) on small machines.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self.custom_ops:
-            from kvzap_export.runners.onnxrt import register_custom_ops
-
-            register_custom_ops(options)
         source: str | bytes = str(self.path)
         if self.bf16_emulation:
             import onnx
@@ -49,7 +40,7 @@ class OnnxrtRunner(Runner):
             from kvzap_export.runners.bf16_emulation import emulate_bf16
 
             source = emulate_bf16(onnx.load(str(self.path))).SerializeToString()
-        self.session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        self.session = ort_session(source, custom_ops=self.custom_ops)
 
     def get_input_metadata_impl(self) -> Metadata:
         return {i.name: (_NP_OF_ORT.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()}
