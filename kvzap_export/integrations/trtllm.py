@@ -1,41 +1,58 @@
 """KVzap in TensorRT-LLM's PyTorch backend (``tensorrt_llm._torch``).
 
-Targets (read from NVIDIA/TensorRT-LLM to learn names and interfaces; no code copied):
+Targets (read from github.com/NVIDIA/TensorRT-LLM to learn names and interfaces; no code copied). The
+repository's files were read at the commits below; the release number of a commit was not always
+determinable, and nothing here has run inside TensorRT-LLM (see docs/integrations.md).
 
-- **main after v1.2.1 (KV-cache compression framework, 1.3 release candidates)** — the full path:
-  ``tensorrt_llm/_torch/pyexecutor/resource_manager.py`` (``BaseResourceManager``; the compression base
-  ``KVCacheCompressionManager``, named ``BaseKVCacheCompressionManager`` in some snapshots, with hooks
-  ``on_request_init`` / ``on_context_step_end`` / ``on_generation_step_begin`` /
-  ``on_generation_step_end`` / ``on_request_finish`` and ``bind_kv_cache_managers``),
-  ``tensorrt_llm/llmapi/llm_args.py`` (``KvCacheCompressionConfig``: ``changes_physical_kv_length``,
-  ``supports_block_reuse()``), ``tensorrt_llm/_torch/pyexecutor/_util.py``
-  (``create_kv_cache_compression_manager``, an if-chain on ``algorithm``),
-  ``tensorrt_llm/_torch/kv_cache_compression/triattention/triattention.py`` (first user:
-  ``LlmRequest.py_num_compressed_tokens``, KV pools read with ``get_buffers(layer, kv_layout="HND")``
-  as ``[pages, kv_factor, kv_heads, tokens_per_block, head_dim]``, pages from
-  ``get_batch_cache_indices``), ``tensorrt_llm/_torch/pyexecutor/kv_cache/kv_cache_manager_v2.py``.
-- **v1.2.1 (sparse attention framework, prototype)** — context-phase compaction only:
-  ``tensorrt_llm/_torch/attention_backend/trtllm.py`` (``TrtllmAttention``, ``TrtllmAttentionMetadata``),
-  ``tensorrt_llm/_torch/attention_backend/sparse/rocket.py`` (``sparse_kv_predict(q, k, metadata,
-  **kwargs)`` returning ``(int32 [num_kv_heads, total_selected], int32 [num_contexts + 1])``, and the
-  metadata's ``kv_cache_params.num_cached_tokens_per_seq`` shortened for generation requests),
-  ``tensorrt_llm/_torch/attention_backend/sparse/utils.py`` (``get_trtllm_sparse_attn_attention_backend``).
-- Both: ``tensorrt_llm/_torch/modules/attention.py`` (``Attention.forward(position_ids, hidden_states,
-  attn_metadata, ...)``: ``hidden_states`` never reaches the backend, so KVzap scores it in a pre-hook
-  into a per-layer side buffer) and ``tensorrt_llm/_torch/models/modeling_utils.py``
+- **KV-cache compression framework** (after v1.2.1), pinned to commit
+  ``af8c3bfaa19299dced5c411cfca1b8bd182bfd7b``: ``tensorrt_llm/_torch/pyexecutor/resource_manager.py``
+  (``KVCacheCompressionManager(BaseResourceManager)``, ``__init__(self, config)``,
+  ``bind_kv_cache_managers(kv_cache_manager, draft_kv_cache_manager=None)``, which needs KV cache manager V2;
+  hooks ``on_request_init(request)`` / ``on_generation_step_begin(scheduled_batch)`` /
+  ``on_generation_step_end(scheduled_batch)`` / ``on_request_finish(request)``),
+  ``tensorrt_llm/_torch/pyexecutor/_util.py`` (``create_kv_cache_compression_manager(config,
+  pretrained_config=None)``, an if-chain on ``algorithm`` looked up at call time;
+  ``validate_kv_cache_compression_compatibility``), ``tensorrt_llm/llmapi/llm_args.py``
+  (``KvCacheCompressionConfig``: ``algorithm``, ``changes_physical_kv_length``, ``supports_block_reuse()``,
+  ``supports_speculative_decoding()``; ``kv_cache_compression_config`` validated against a union
+  discriminated on ``algorithm``), ``tensorrt_llm/_torch/pyexecutor/kv_cache_manager_v2.py``
+  (``get_buffers(layer_idx, kv_layout="HND")`` → ``[pages, kv_factor, kv_heads, tokens_per_block,
+  head_dim]`` with global layer ids, ``get_batch_cache_indices``, ``kv_cache_map[id].resize(capacity,
+  history_length) -> bool``, ``pp_layers``, ``num_extra_kv_tokens``). The first user of the framework,
+  ``tensorrt_llm/_torch/kv_cache_compression/triattention/triattention.py`` @
+  ``ccfe61bbe11c61e7d57b75ad91d5ad9738b5ce2d`` (``py_num_compressed_tokens``, the reserved tail of a
+  resize), and the design notes ``docs/source/developer-guide/kv-cache-compression-development.md`` @
+  ``ae91a87c86c38592de2bae4ded56e122cc515282``.
+  The RoPE gate (RoPE must come from ``position_ids`` once entries are evicted): ``Attention.__init__``
+  asks ``tensorrt_llm._torch.kv_cache_compression.compression_manager_class(algorithm)`` for
+  ``physically_evicts_cached_tokens`` at ``43c2efcdd41856fd48f29cc736dfbeb40d6feb9d``; at af8c3bfa the gate
+  was not found. ``attach_scorer`` therefore refuses an attention layer that still fuses RoPE.
+- **v1.2.1 (tag; sparse attention framework, prototype)** — context-phase compaction only. No file could be
+  read at the tag itself; names were checked against stored versions of the 1.2 design:
+  ``tensorrt_llm/_torch/attention_backend/sparse/rocket.py`` @ ``0361fb11e32d6f0bf38b0851c3089945cea6a449``
+  (``TrtllmAttention`` subclass with a ``Metadata`` class attribute, ``sparse_kv_predict(q, k, metadata,
+  **kwargs)`` returning ``(int32 [num_kv_heads, total_selected], int32 [num_contexts + 1])``, the metadata's
+  ``prepare`` shortening ``kv_cache_params.num_cached_tokens_per_seq`` and clamping ``prompt_lens_cpu`` /
+  ``prompt_lens_cuda`` for generation requests), ``tensorrt_llm/_torch/attention_backend/utils.py`` @
+  ``7924c7f1d3b4a3286b62c13fc890900295dc39cb`` (binds ``get_trtllm_sparse_attn_attention_backend`` at import),
+  ``tensorrt_llm/_torch/pyexecutor/_util.py`` (binds ``get_sparse_attn_kv_cache_manager`` at import).
+- Both: ``tensorrt_llm/_torch/modules/attention.py`` @ 43c2efcd (``Attention.forward(position_ids,
+  hidden_states, attn_metadata, ...)``: ``hidden_states`` never reaches the backend, so KVzap scores it in a
+  pre-hook into a per-layer side buffer) and ``tensorrt_llm/_torch/models/modeling_utils.py``
   (``register_auto_model``).
 
 TensorRT-LLM cannot be installed on the machines that built this (NVIDIA's index only; it needs a GPU),
 so the glue is thin and the decisions live in ``core`` (tested against kvpress). The engine-free parts
-here (``KVzapScorer``, ``attach_scorer``, ``KVzapCompression``, ``move_paged_kv``,
-``context_sparse_kv``) are tested on the CPU with stand-in objects; the classes deriving from
-TensorRT-LLM's are built on demand and raise ``MissingDependencyError`` without it.
+here (``KVzapScorer``, ``attach_scorer``, ``KVzapCompression``, ``move_paged_kv``, ``reserved_tail``,
+``accept_config``, ``context_sparse_kv``, ``clamp_prompt_lens``) are tested on the CPU with stand-in
+objects; the classes deriving from TensorRT-LLM's are built on demand and raise ``MissingDependencyError``
+without it.
 
-Registering KVzap for your model (compression framework, main):
+Registering KVzap for your model (compression framework):
 
     from kvzap_export.integrations import trtllm as kvzap_trtllm
-    kvzap_trtllm.install("bundle/")              # patches the manager factory for algorithm "kvzap"
-    llm = LLM(model=..., kv_cache_config=KvCacheConfig(enable_block_reuse=False),   # KV cache manager V2
+    kvzap_trtllm.install("bundle/")   # manager factory + LLM args accept algorithm "kvzap"
+    llm = LLM(model=..., kv_cache_config=KvCacheConfig(enable_block_reuse=False, use_kv_cache_manager_v2=True),
               kv_cache_compression_config=kvzap_trtllm.compression_config(), cuda_graph_config=None)
     kvzap_trtllm.attach_scorer(<the model's torch module>, kvzap_trtllm.scorer())   # or use kvzap_attention()
 
@@ -51,7 +68,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvzap_export.errors import ConfigError, InputError
+from kvzap_export.errors import ConfigError, InputError, MissingDependencyError
 from kvzap_export.integrations._lazy import import_engine
 from kvzap_export.integrations.core import (
     BundleScorer, KVzapPolicy, RequestState, StepScores, budget_selection, context_budget, sparse_layout,
@@ -83,6 +100,10 @@ class KVzapScorer:
 
     def record(self, layer: int, hidden_states: torch.Tensor) -> None:
         """hidden_states: [num_tokens, hidden] (the forward's packed tokens: context chunks, then generation)."""
+        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+            kind = type(hidden_states).__name__ if not isinstance(hidden_states, torch.Tensor) else str(hidden_states.dtype)
+            raise ConfigError(f"layer {layer}: the attention input is {kind}, not a float tensor; KVzap scores the "
+                              "unquantized hidden states (turn off quantized attention input, e.g. NVFP4)")
         self.buffer.write(layer, self.scorer.score(layer, hidden_states.reshape(-1, hidden_states.shape[-1])))
 
 
@@ -95,6 +116,9 @@ def attach_scorer(modules, scorer: KVzapScorer) -> list:
     """
     if isinstance(modules, torch.nn.Module):
         modules = [(m.layer_idx, m) for m in _attention_modules(modules)]
+    modules = list(modules)
+    for layer, module in modules:
+        _refuse_fused_rope(layer, module)
     handles = []
     for layer, module in modules:
         def hook(mod, args, kwargs, layer=layer):
@@ -105,6 +129,15 @@ def attach_scorer(modules, scorer: KVzapScorer) -> list:
     if not handles:
         raise ConfigError("no attention module found to score; pass (layer_idx, module) pairs explicitly")
     return handles
+
+
+def _refuse_fused_rope(layer: int, module) -> None:
+    """Physical eviction needs RoPE from ``position_ids``: a kernel that derives positions from the cached
+    length would rotate every token after an eviction by the wrong angle."""
+    if getattr(module, "rope_fusion", False) and _STATE.get("evicts", False):
+        raise ConfigError(f"attention layer {layer} fuses RoPE into the attention kernel (rope_fusion=True); KVzap's "
+                          "physical eviction needs RoPE applied from position_ids: call install() before building the "
+                          "model, or build its attention with rope_fusion disabled")
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,6 +155,7 @@ def kvzap_attention(base: type, scorer_fn=None) -> type:
 
     class KVzapAttention(base):
         def forward(self, position_ids, hidden_states, attn_metadata, *args, **kwargs):
+            _refuse_fused_rope(self.layer_idx, self)
             get().record(self.layer_idx, hidden_states)
             return super().forward(position_ids, hidden_states, attn_metadata, *args, **kwargs)
 
@@ -148,6 +182,53 @@ def move_paged_kv(pool: torch.Tensor, pages: torch.Tensor, indices: torch.Tensor
     pool[pages[dst // tpb], :, heads, dst % tpb, :] = values
 
 
+def reserved_tail(manager, ahead: bool) -> int:
+    """Tokens a resize must keep past the kept entries: the manager's extra KV tokens, plus the slot (and draft
+    slots) already reserved for the next step when the request is in the batch prepared ahead of this one
+    (overlap scheduler). Attribute names of ``KVCacheManagerV2`` at af8c3bfa; absent ones count 0."""
+    tail = int(getattr(manager, "num_extra_kv_tokens", 0) or 0)
+    if ahead:
+        tail += 1 + int(getattr(manager, "_kv_reserve_draft_tokens", 0) or 0)
+    return tail
+
+
+def cache_pages(manager, request_id: int, layer: int) -> torch.Tensor:
+    """The request's page ids for one (global) layer, in order, without the -1 padding entries."""
+    pages = [int(p) for p in manager.get_batch_cache_indices([request_id], layer)[0]]
+    return torch.tensor([p for p in pages if p >= 0], dtype=torch.int64)
+
+
+def accept_config(models, config_cls: type, field: str = "kv_cache_compression_config") -> list[type]:
+    """Lets pydantic models whose ``field`` is a union of known configs (discriminated on ``algorithm``)
+    accept ``config_cls`` too; returns the models changed. Idempotent.
+
+    TensorRT-LLM's ``LLM(...)`` validates ``kv_cache_compression_config`` against the union of its own
+    algorithms; without this, a config with ``algorithm="kvzap"`` is rejected before any manager is built.
+    """
+    from typing import Optional, Union
+
+    changed = []
+    for model in models:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(fields, dict) or field not in fields:
+            continue
+        accepted = getattr(model, "__kvzap_accepts__", ())
+        if config_cls in accepted and model.__dict__.get("__kvzap_accepts__") is accepted:
+            continue
+        info = fields[field]
+        info.annotation = Optional[Union[config_cls, info.annotation]]
+        model.__kvzap_accepts__ = (*accepted, config_cls)
+        model.model_rebuild(force=True)
+        changed.append(model)
+    return changed
+
+
+def clamp_prompt_lens(prompt_lens: list[int], num_contexts: int, budget_of) -> list[int]:
+    """Generation requests' prompt lengths as the attention kernel must see them after context compaction:
+    ``min(prompt, budget_of(prompt))``; context requests unchanged."""
+    return [p if i < num_contexts else min(p, budget_of(p)) for i, p in enumerate(int(x) for x in prompt_lens)]
+
+
 # ---- compression manager logic (engine-free) ---------------------------------------------------------
 
 class KVzapCompression:
@@ -160,12 +241,16 @@ class KVzapCompression:
     ``request.py_num_compressed_tokens = logical - physical`` (positions stay logical). ``agree`` maps the
     local counts of the step's requests to the counts every rank uses (all_reduce MAX), or None.
     Context chunks before the last are appended without compaction (decisions equal a one-shot prefill).
+    ``skip(request)``: the request's tokens are in the forward but it has no KVzap state (TensorRT-LLM's
+    dummy padding requests); ``hold(request)``: decide, but keep every physical entry this step (the engine
+    cannot move this request's K/V now, e.g. an inactive cache): the rule's set is still tracked.
     """
 
-    def __init__(self, scorer: KVzapScorer, policy: KVzapPolicy, mover=None, agree=None):
+    def __init__(self, scorer: KVzapScorer, policy: KVzapPolicy, mover=None, agree=None, skip=None, hold=None):
         if policy.layout != "uniform":
             raise ConfigError("TensorRT-LLM keeps one KV length per request: use the uniform layout")
         self.scorer, self.policy, self.mover, self.agree = scorer, policy, mover, agree
+        self.skip, self.hold = skip, hold
         self.states: dict[int, RequestState] = {}
 
     def request_init(self, request) -> None:
@@ -188,6 +273,8 @@ class KVzapCompression:
         for i, (request, n) in enumerate(zip(context + generation, sizes)):
             scores = torch.stack([layer[start: start + n].T for layer in layers])  # [L, H, n]
             start += n
+            if self.skip is not None and self.skip(request):
+                continue
             state = self.states.get(request.py_request_id)
             if state is None:
                 self.request_init(request)
@@ -202,6 +289,8 @@ class KVzapCompression:
             counts = list(self.agree(counts))
         decisions = {}
         for (request, state, proposal), count in zip(pending, counts):
+            if self.hold is not None and self.hold(request):
+                count = int(state.counts[0, 0])  # every row holds the same length in the uniform layout
             decision = state.commit(proposal, count)
             if decision.freed and self.mover is not None:
                 self.mover(request, decision)
@@ -248,11 +337,24 @@ def _tp() -> tuple[int, int]:
     return (mapping.tp_size, mapping.tp_rank) if mapping is not None else (1, 0)
 
 
-def _world_max(counts: list[int]) -> list[int]:
-    """Every rank (tensor and pipeline parallel) keeps the largest count: one KV length per request.
+def _check_mapping(mapping) -> None:
+    """Every layer must be scored in this process, and every rank must schedule the same requests."""
+    if mapping is None:
+        return
+    if getattr(mapping, "pp_size", 1) > 1:
+        raise ConfigError(f"pipeline parallelism (pp_size={mapping.pp_size}) is not supported by KVzap's TensorRT-LLM "
+                          "glue: each step's decision needs every layer's scores in one process")
+    if getattr(mapping, "enable_attention_dp", False):
+        raise ConfigError("attention data parallelism is not supported by KVzap's TensorRT-LLM glue: ranks must "
+                          "schedule the same requests to agree on one count per request")
 
-    The ranks schedule the same requests in the same order (no attention data parallelism), so the
-    per-request lists line up; the communicator is the one TensorRT-LLM's resource manager uses.
+
+def _world_max(counts: list[int]) -> list[int]:
+    """Every tensor-parallel rank keeps the largest count: one KV length per request.
+
+    The ranks schedule the same requests in the same order (no attention data parallelism, checked by
+    ``install``), so the per-request lists line up; the communicator is the one TensorRT-LLM's resource
+    manager uses (``tensorrt_llm._utils.mpi_comm``, or torch.distributed when MPI is disabled).
     """
     utils = _trtllm("tensorrt_llm._utils")
     if utils.mpi_disabled():
@@ -268,59 +370,101 @@ def _world_max(counts: list[int]) -> list[int]:
 
 
 def compression_config_class() -> type:
-    """``KvCacheCompressionConfig`` subclass for KVzap: physical length changes; no block reuse."""
+    """``KvCacheCompressionConfig`` subclass for KVzap: physical length changes; no block reuse; no speculation."""
+    if "config_class" in _STATE:
+        return _STATE["config_class"]
     llm_args = _trtllm("tensorrt_llm.llmapi.llm_args")
-    from typing import ClassVar
+    from typing import ClassVar, Literal
 
     class KVzapCompressionConfig(llm_args.KvCacheCompressionConfig):
         changes_physical_kv_length: ClassVar[bool] = True
+        algorithm: Literal["kvzap"] = ALGORITHM
 
         def supports_block_reuse(self) -> bool:
             return False  # compacted blocks no longer hold the token ids they were hashed under
 
+        def supports_speculative_decoding(self) -> bool:
+            return False  # draft tokens' K/V and the reserved tail are not handled by the step-end moves
+
+    _STATE["config_class"] = KVzapCompressionConfig
     return KVzapCompressionConfig
 
 
 def compression_config():
+    """The ``kv_cache_compression_config`` to pass to ``LLM(...)`` (``install`` must run first)."""
     return compression_config_class()(algorithm=ALGORITHM)
 
 
+def _accept_in_llm_args() -> None:
+    """``LLM(...)`` validates ``kv_cache_compression_config`` against a union of TensorRT-LLM's algorithms."""
+    import inspect
+
+    llm_args = _trtllm("tensorrt_llm.llmapi.llm_args")
+    models = [obj for _, obj in inspect.getmembers(llm_args, inspect.isclass) if obj.__module__ == llm_args.__name__]
+    if not accept_config(models, compression_config_class()) and not any(
+            "kv_cache_compression_config" in getattr(m, "model_fields", {}) for m in models):
+        raise ConfigError("this TensorRT-LLM's LLM arguments have no kv_cache_compression_config (the KV-cache "
+                          "compression framework came after v1.2.1); use the 1.2.x variant: install_sparse_kv()")
+
+
 def compression_manager_class() -> type:
-    """The resource manager TensorRT-LLM drives: its hooks map onto ``KVzapCompression``."""
+    """The resource manager TensorRT-LLM drives (pinned API: ``KVCacheCompressionManager`` @ af8c3bfa)."""
     rm = _trtllm("tensorrt_llm._torch.pyexecutor.resource_manager")
-    base = getattr(rm, "KVCacheCompressionManager", None) or getattr(rm, "BaseKVCacheCompressionManager", None)
-    if base is None:
-        raise ConfigError("this TensorRT-LLM has no KV-cache compression framework (added after v1.2.1); "
-                          "use the 1.2.x sparse_kv_predict variant: install_sparse_kv()")
+    base = getattr(rm, "KVCacheCompressionManager", None)
+    if base is None or not hasattr(base, "bind_kv_cache_managers"):
+        raise ConfigError("this TensorRT-LLM has no KVCacheCompressionManager with bind_kv_cache_managers (the API "
+                          "KVzap targets, NVIDIA/TensorRT-LLM@af8c3bfa); use a build with it, or the 1.2.x variant: "
+                          "install_sparse_kv()")
 
     class KVzapCompressionManager(base):
-        # Read by the attention module's RoPE gate (through kv_cache_compression.compression_manager_class):
-        # a method that evicts physically needs RoPE from position_ids, not from the cached length.
+        # Read by the attention module's RoPE gate where it exists (kv_cache_compression.compression_manager_class,
+        # @43c2efcd): a method that evicts physically needs RoPE from position_ids, not from the cached length.
         physically_evicts_cached_tokens = True
 
         def __init__(self, config, policy: KVzapPolicy):
-            super().__init__(config)
-            self.kvzap = KVzapCompression(scorer(), policy, mover=self._move, agree=_world_max if _STATE.get("world", 1) > 1 else None)
+            super().__init__(config)  # the KV cache managers are bound later (bind_kv_cache_managers)
+            self._ahead: frozenset = frozenset()
+            self._prepared = None
+            self.kvzap = KVzapCompression(scorer(), policy, mover=self._move,
+                                          agree=_world_max if _STATE.get("world", 1) > 1 else None,
+                                          skip=lambda r: bool(getattr(r, "is_dummy", False)), hold=self._inactive)
 
         def on_request_init(self, request, **kwargs):
             self.kvzap.request_init(request)
 
+        def on_generation_step_begin(self, scheduled_batch, **kwargs):
+            self._prepared = scheduled_batch  # under the overlap scheduler: the batch after the one ending next
+
         def on_generation_step_end(self, scheduled_batch, **kwargs):
+            ahead = self._prepared if self._prepared is not scheduled_batch else None
+            self._ahead = frozenset(r.py_request_id for r in (list(ahead.context_requests) + list(ahead.generation_requests))) \
+                if ahead is not None else frozenset()
             self.kvzap.step_end(scheduled_batch.context_requests, scheduled_batch.context_requests_last_chunk,
                                 scheduled_batch.generation_requests)
 
         def on_request_finish(self, request, **kwargs):
-            self.kvzap.request_finish(request)
+            self.kvzap.request_finish(request)  # the KV cache manager frees the blocks
+
+        def _manager(self):
+            if self.kv_cache_manager is None:
+                raise ConfigError("KVzap's compression manager is not bound to a KV cache manager: enable KV cache "
+                                  "manager V2 (KvCacheConfig(use_kv_cache_manager_v2=True))")
+            return self.kv_cache_manager
+
+        def _inactive(self, request) -> bool:
+            cache = self._manager().kv_cache_map.get(request.py_request_id)
+            return cache is None or not getattr(cache, "is_active", True)
 
         def _move(self, request, decision) -> None:
-            manager = self.kv_cache_manager
+            manager = self._manager()
             rid = request.py_request_id
-            for layer in range(decision.indices.shape[0]):
+            for layer in getattr(manager, "pp_layers", range(decision.indices.shape[0])):  # global layer ids
                 pool = manager.get_buffers(layer, kv_layout="HND")
-                pages = torch.tensor(manager.get_batch_cache_indices([rid], layer)[0], dtype=torch.int64)
-                move_paged_kv(pool, pages, decision.indices[layer])
+                move_paged_kv(pool, cache_pages(manager, rid, layer), decision.indices[layer])
             # Release the tail pages; the compacted length is published through py_num_compressed_tokens.
-            manager.kv_cache_map[rid].resize(decision.uniform_count)
+            capacity = decision.uniform_count + reserved_tail(manager, rid in self._ahead)
+            if not manager.kv_cache_map[rid].resize(capacity, None):
+                raise RuntimeError(f"request {rid}: TensorRT-LLM refused to resize its KV cache to {capacity} tokens")
 
     return KVzapCompressionManager
 
@@ -328,17 +472,20 @@ def compression_manager_class() -> type:
 def install(bundle, mapping=None, decoding: bool = True, **policy) -> KVzapScorer:
     """Loads the bundle's surrogate and makes ``algorithm="kvzap"`` build KVzap's compression manager.
 
+    Call before the model is built (its attention layers read the RoPE gate at construction).
     mapping: TensorRT-LLM's ``Mapping`` of this rank (tensor-parallel head slice); None = one GPU.
     """
     from kvzap_export.bundle.manifest import read_manifest
 
     util = _trtllm("tensorrt_llm._torch.pyexecutor._util")
+    _check_mapping(mapping)
     _STATE["mapping"] = mapping
-    _STATE["world"] = mapping.world_size if mapping is not None else 1
+    _STATE["world"] = mapping.tp_size if mapping is not None else 1
     tp_size, tp_rank = _tp()
     _STATE["scorer"] = KVzapScorer.from_bundle(bundle, tp_size, tp_rank)
     pol = KVzapPolicy.from_manifest(read_manifest(bundle), decoding=decoding, layout="uniform", **policy)
     manager_cls = compression_manager_class()
+    _accept_in_llm_args()
     original = util.create_kv_cache_compression_manager
 
     def create(config, *args, **kwargs):
@@ -347,10 +494,15 @@ def install(bundle, mapping=None, decoding: bool = True, **policy) -> KVzapScore
         return original(config, *args, **kwargs)
 
     util.create_kv_cache_compression_manager = create
-    # The class-level lookup the attention RoPE gate uses: unknown algorithms map to None (RoPE stays fused).
-    compression = _trtllm("tensorrt_llm._torch.kv_cache_compression")
-    original_class = compression.compression_manager_class
-    compression.compression_manager_class = lambda algorithm: manager_cls if algorithm == ALGORITHM else original_class(algorithm)
+    try:  # the RoPE gate of @43c2efcd; other versions have none (attach_scorer then checks each layer)
+        compression = _trtllm("tensorrt_llm._torch.kv_cache_compression")
+    except MissingDependencyError:
+        compression = None
+    original_class = getattr(compression, "compression_manager_class", None)
+    if original_class is not None:
+        compression.compression_manager_class = (
+            lambda algorithm: manager_cls if algorithm == ALGORITHM else original_class(algorithm))
+    _STATE["evicts"] = True
     return _STATE["scorer"]
 
 
@@ -366,15 +518,24 @@ def sparse_attention_class(keep_fraction: float, policy: KVzapPolicy) -> type:
     """
     trtllm = _trtllm("tensorrt_llm._torch.attention_backend.trtllm")
 
+    def budget_of(prompt: int) -> int:
+        return context_budget(prompt, keep_fraction, policy.window, policy.sink)
+
     class KVzapTrtllmAttentionMetadata(trtllm.TrtllmAttentionMetadata):
         def prepare(self):
             # Generation requests attend to the budget, not the prompt (positions stay logical).
             if self.kv_cache_manager is not None:
                 for i in range(self.num_contexts, self.num_contexts + self.num_generations):
                     prompt = int(self.prompt_lens[i])
-                    budget = context_budget(prompt, keep_fraction, policy.window, policy.sink)
-                    self.kv_cache_params.num_cached_tokens_per_seq[i] += budget - prompt
+                    self.kv_cache_params.num_cached_tokens_per_seq[i] += min(prompt, budget_of(prompt)) - prompt
             super().prepare()
+            if self.kv_cache_manager is not None:
+                n = self.num_seqs
+                clamped = torch.tensor(clamp_prompt_lens(self.prompt_lens[:n], self.num_contexts, budget_of), dtype=torch.int32)
+                self.prompt_lens_cpu[:n].copy_(clamped)
+                self.prompt_lens_cuda[:n].copy_(self.prompt_lens_cpu[:n], non_blocking=True)
+                self.prompt_lens_cpu_runtime = self.prompt_lens_cpu[:n]
+                self.prompt_lens_cuda_runtime = self.prompt_lens_cuda[:n]
 
     class KVzapTrtllmAttention(trtllm.TrtllmAttention):
         Metadata = KVzapTrtllmAttentionMetadata
@@ -396,21 +557,31 @@ def sparse_attention_class(keep_fraction: float, policy: KVzapPolicy) -> type:
 def install_sparse_kv(bundle, keep_fraction: float, mapping=None, **policy) -> type:
     """1.2.x: routes ``sparse_attention_config`` algorithm "rocket"'s slot to KVzap's attention class.
 
-    There is no registry in 1.2.x: this patches ``get_trtllm_sparse_attn_attention_backend`` and
-    ``get_sparse_attn_kv_cache_manager`` (``sparse/utils.py``) so that a sparse attention config (the
-    RocketKV one, ``RocketSparseAttentionConfig``, used only as the switch that enables the sparse path)
-    selects ``KVzapTrtllmAttention`` and the stock ``KVCacheManager``. Returns the class.
+    There is no registry in 1.2.x. The two factories are bound by name where they are used, so the patch goes
+    where they are looked up: ``attention_backend/utils.py`` (``get_trtllm_sparse_attn_attention_backend``, used
+    by ``get_attention_backend``) and ``pyexecutor/_util.py`` (``get_sparse_attn_kv_cache_manager``), plus the
+    defining ``attention_backend/sparse/utils.py``. A sparse attention config (the RocketKV one,
+    ``RocketSparseAttentionConfig``, used only as the switch that enables the sparse path) then selects
+    ``KVzapTrtllmAttention`` and the stock ``KVCacheManager``. Returns the class.
     """
     from kvzap_export.bundle.manifest import read_manifest
 
-    sparse_utils = _trtllm("tensorrt_llm._torch.attention_backend.sparse.utils")
+    _trtllm("tensorrt_llm._torch.attention_backend.sparse.utils")  # the engine first: one line without it
+    _check_mapping(mapping)
     _STATE["mapping"] = mapping
     tp_size, tp_rank = _tp()
     _STATE["scorer"] = KVzapScorer.from_bundle(bundle, tp_size, tp_rank)
     pol = KVzapPolicy.from_manifest(read_manifest(bundle), decoding=False, layout="uniform", **policy)
     cls = sparse_attention_class(keep_fraction, pol)
     stock_manager = _trtllm("tensorrt_llm._torch.pyexecutor.resource_manager").KVCacheManager
-    sparse_utils.get_trtllm_sparse_attn_attention_backend = lambda config: cls
+    for module in ("tensorrt_llm._torch.attention_backend.sparse.utils", "tensorrt_llm._torch.attention_backend.utils"):
+        target = _trtllm(module)
+        if hasattr(target, "get_trtllm_sparse_attn_attention_backend"):
+            target.get_trtllm_sparse_attn_attention_backend = lambda *args, **kwargs: cls
     # The RocketKV config only switches the sparse path on: keep the stock KV cache manager (no KT cache).
-    sparse_utils.get_sparse_attn_kv_cache_manager = lambda config: stock_manager
+    for module in ("tensorrt_llm._torch.attention_backend.sparse.utils", "tensorrt_llm._torch.pyexecutor._util"):
+        target = _trtllm(module)
+        if hasattr(target, "get_sparse_attn_kv_cache_manager"):
+            target.get_sparse_attn_kv_cache_manager = lambda *args, **kwargs: stock_manager
+    _STATE["evicts"] = False  # RoPE as for RocketKV: the metadata shortens the cached length and prompt lengths
     return cls

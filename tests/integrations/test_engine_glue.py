@@ -241,3 +241,143 @@ def test_context_sparse_kv_layout(surrogate):
     assert indices.shape == (KV_HEADS, sum(budgets)) and indices.dtype == torch.int32 and offsets.dtype == torch.int32
     assert offsets.tolist() == [0, 20, 26]
     assert bool((indices[:, 20:] < 9).all()) and bool((indices[:, 14:20] == torch.arange(44, 50, dtype=torch.int32)).all())
+
+
+def test_trtllm_dummy_requests_are_skipped_and_held_requests_keep_everything(surrogate):
+    """A dummy request's token is in the forward but has no state; a held request decides and frees nothing."""
+    from kvzap_export.integrations.trtllm import KVzapCompression, KVzapScorer
+
+    scorer = KVzapScorer(BundleScorer(surrogate))
+    moved = []
+    held = {"on": True}
+    logic = KVzapCompression(scorer, KVzapPolicy(0.0, window=2), mover=lambda r, d: moved.append(r.py_request_id),
+                             skip=lambda r: getattr(r, "is_dummy", False), hold=lambda r: held["on"] and r.py_request_id == 1)
+    a = SimpleNamespace(py_request_id=1, context_chunk_size=30, py_num_compressed_tokens=0)
+    b = SimpleNamespace(py_request_id=2, context_chunk_size=30, py_num_compressed_tokens=0)
+    dummy = SimpleNamespace(py_request_id=99, is_dummy=True, context_chunk_size=30, py_num_compressed_tokens=0)
+    gen = torch.Generator().manual_seed(6)
+    for layer in range(LAYERS):
+        scorer.record(layer, torch.randn(90, HIDDEN, generator=gen))
+    decisions = logic.step_end([a, dummy, b], [a, dummy, b], [])
+    assert set(decisions) == {1, 2} and 99 not in logic.states
+    assert decisions[1].freed == 0 and a.py_num_compressed_tokens == 0  # held: every entry stays
+    assert decisions[2].freed > 0 and b.py_num_compressed_tokens > 0 and moved == [2]
+    assert bool((logic.states[1].rule_kept.sum(-1) < 30).any())  # the rule's own set is still tracked
+    held["on"] = False
+    for layer in range(LAYERS):
+        scorer.record(layer, torch.randn(3, HIDDEN, generator=gen))
+    decisions = logic.step_end([], [], [a, dummy, b])
+    assert decisions[1].freed > 0 and a.py_num_compressed_tokens == logic.states[1].num_compressed_tokens > 0
+
+
+def test_trtllm_resize_tail_and_pages():
+    from kvzap_export.integrations.trtllm import cache_pages, reserved_tail
+
+    manager = SimpleNamespace(num_extra_kv_tokens=2, _kv_reserve_draft_tokens=3,
+                              get_batch_cache_indices=lambda ids, layer: [[4, 9, -1, -1]] if ids == [7] and layer == 5 else None)
+    assert reserved_tail(manager, ahead=False) == 2 and reserved_tail(manager, ahead=True) == 6
+    assert reserved_tail(SimpleNamespace(), ahead=True) == 1 and reserved_tail(SimpleNamespace(), ahead=False) == 0
+    assert cache_pages(manager, 7, 5).tolist() == [4, 9]
+
+
+def test_trtllm_prompt_lens_clamped_for_generation_requests_only():
+    from kvzap_export.integrations.trtllm import clamp_prompt_lens
+
+    assert clamp_prompt_lens([100, 40, 100, 10], 2, lambda p: p // 2) == [100, 40, 50, 5]
+
+
+def test_trtllm_scorer_refuses_quantized_input_and_fused_rope(surrogate, monkeypatch):
+    from kvzap_export.errors import ConfigError
+    from kvzap_export.integrations import trtllm
+
+    scorer = trtllm.KVzapScorer(BundleScorer(surrogate))
+    with pytest.raises(ConfigError, match="layer 1: the attention input is torch.uint8"):
+        scorer.record(1, torch.zeros(4, HIDDEN, dtype=torch.uint8))
+    with pytest.raises(ConfigError, match="not a float tensor"):
+        scorer.record(0, SimpleNamespace(shape=(4, HIDDEN)))
+    fused = torch.nn.Identity()
+    fused.rope_fusion = True
+    monkeypatch.setattr(trtllm, "_STATE", {"evicts": True})
+    with pytest.raises(ConfigError, match="layer 0 fuses RoPE"):
+        trtllm.attach_scorer([(0, fused)], scorer)
+    monkeypatch.setattr(trtllm, "_STATE", {"evicts": False})  # context-only 1.2.x path: nothing is evicted later
+    assert len(trtllm.attach_scorer([(0, fused)], scorer)) == 1
+
+
+# Stand-in of tensorrt_llm/llmapi/llm_args.py @ af8c3bfa, as far as the compression config goes: a strict
+# pydantic config base keyed by `algorithm`, and LLM arguments validating a union discriminated on it.
+LLM_ARGS = '''
+from typing import Annotated, ClassVar, Literal, Optional, Union
+from pydantic import BaseModel, ConfigDict, Field
+
+class StrictBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+class KvCacheCompressionConfig(StrictBaseModel):
+    changes_physical_kv_length: ClassVar[bool] = False
+    algorithm: str = Field(...)
+    def supports_block_reuse(self) -> bool:
+        return False
+    def supports_speculative_decoding(self) -> bool:
+        return False
+
+class ColdPageQuantizationCompressionConfig(KvCacheCompressionConfig):
+    algorithm: Literal["quantization_for_cold_page"] = "quantization_for_cold_page"
+
+class TriAttentionKvCacheCompressionConfig(KvCacheCompressionConfig):
+    changes_physical_kv_length: ClassVar[bool] = True
+    algorithm: Literal["triattention"] = "triattention"
+
+KvCacheCompressionConfigType = Annotated[Union[ColdPageQuantizationCompressionConfig,
+                                               TriAttentionKvCacheCompressionConfig], Field(discriminator="algorithm")]
+
+class BaseLlmArgs(StrictBaseModel):
+    kv_cache_compression_config: Optional[KvCacheCompressionConfigType] = None
+
+class TorchLlmArgs(BaseLlmArgs):
+    backend: str = "pytorch"
+'''
+
+
+@pytest.fixture
+def stand_in_llm_args(tmp_path, monkeypatch):
+    pytest.importorskip("pydantic", reason="the stand-in LLM arguments are pydantic models, as TensorRT-LLM's")
+    import importlib
+    import sys
+
+    from kvzap_export.integrations import trtllm
+
+    package = tmp_path / "tensorrt_llm"
+    (package / "llmapi").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "llmapi" / "__init__.py").write_text("")
+    (package / "llmapi" / "llm_args.py").write_text(LLM_ARGS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(trtllm, "_STATE", {})
+    yield importlib.import_module("tensorrt_llm.llmapi.llm_args")
+    for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
+        sys.modules.pop(name)
+
+
+def test_trtllm_llm_args_accept_the_kvzap_config(stand_in_llm_args):
+    import pydantic
+
+    from kvzap_export.integrations import trtllm
+
+    llm_args = stand_in_llm_args
+    with pytest.raises(pydantic.ValidationError):  # what LLM(...) does before install()
+        llm_args.TorchLlmArgs(kv_cache_compression_config={"algorithm": "kvzap"})
+    trtllm._accept_in_llm_args()
+    trtllm._accept_in_llm_args()  # idempotent
+    config = trtllm.compression_config()
+    assert config.algorithm == "kvzap" and type(config).changes_physical_kv_length
+    assert not config.supports_block_reuse() and not config.supports_speculative_decoding()
+    for args in (llm_args.TorchLlmArgs, llm_args.BaseLlmArgs):
+        assert args(kv_cache_compression_config=config).kv_cache_compression_config is config
+        assert type(args(kv_cache_compression_config={"algorithm": "kvzap"}).kv_cache_compression_config) is type(config)
+        tri = args(kv_cache_compression_config={"algorithm": "triattention"}).kv_cache_compression_config
+        assert isinstance(tri, llm_args.TriAttentionKvCacheCompressionConfig)  # the engine's own still validate
+        with pytest.raises(pydantic.ValidationError):
+            args(kv_cache_compression_config={"algorithm": "nope"})
