@@ -9,9 +9,10 @@ owns its model runner, so hooks, scheduler and attention backend share it):
      the new tokens' scores into a slot-indexed side buffer at ``forward_batch.out_cache_loc``;
   2. step end: a BEFORE hook on ``Scheduler.process_batch_result`` feeds each request's new scores to its
      ``core.RequestState``; tensor-parallel ranks agree on each request's count (all_reduce MAX over the
-     TP CPU group); every layer's K/V of each head is moved inside the request's own slots (kept entries
-     first), the ``req_to_token`` row is shortened to the count, the tail slots go back to the allocator
-     (``free``), and ``seq_lens`` / ``kv_committed_len`` / ``kv_allocated_len`` follow;
+     TP CPU group); every layer's K/V of each head is moved into the first ``count`` slots of the
+     request's ``req_to_token`` row (kept entries first; the row itself is not rewritten), the tail slots
+     go back to the allocator (``free``), and ``seq_lens`` / ``kv_committed_len`` / ``kv_allocated_len``
+     follow, so the row's first ``count`` slots are the request's whole cache;
   3. positions: an AFTER hook on ``ForwardBatch.init_new`` adds each request's evicted count to its
      positions, so RoPE continues from the logical length while attention reads the physical length.
   No compaction happens between prefill chunks (decisions equal a one-shot prefill anyway).
@@ -21,9 +22,12 @@ owns its model runner, so hooks, scheduler and attention backend share it):
   with ``register_attention_backend``, a ``TorchFlexAttnBackend`` subclass) gives decode a per-layer,
   per-head ``mask_mod`` excluding each head's evicted entries (prefill stays dense, as kvpress).
 
-Server flags: ``--disable-radix-cache`` (slots must belong to one request), ``--disable-cuda-graph``
-(hooks run in Python), ``--disable-overlap-schedule`` (step end must not race the next forward),
-``--page-size 1``, no speculative decoding; mask mode adds ``--attention-backend kvzap_flex``.
+Server flags: ``--disable-radix-cache`` (slots must belong to one request), CUDA graphs off
+(``--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled``, formerly
+``--disable-cuda-graph``: hooks run in Python), ``--disable-overlap-schedule`` (step end must not race the
+next forward), ``--page-size 1``, no speculative decoding; mask mode adds ``--attention-backend kvzap_flex``
+and excludes ``--enable-mixed-chunk``. ``ServerSetup`` reads them at the first step end and a wrong one
+stops the scheduler with one line naming the flag; CUDA-graph capture is refused in the scoring hook.
 See docs/integrations.md.
 
 Every SGLang name used here is listed once, in ``SGLANG_API``; tests/integrations/test_sglang_api.py
@@ -110,6 +114,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "ScheduleBatch.prefix_lens", "field"),
     ApiName(_SB, "ScheduleBatch.extend_lens", "field"),
     ApiName(_SB, "Req.kv", "field"),
+    ApiName(_SB, "Req.finished", "method", ("self",)),
     ApiName(_SB, "ReqKvInfo.req_pool_idx", "field"),
     ApiName(_SB, "ReqKvInfo.kv_committed_len", "field"),
     ApiName(_SB, "ReqKvInfo.kv_allocated_len", "field"),
@@ -119,6 +124,23 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.get_value_buffer", "method", ("self", "layer_id")),
     ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.free", "method", ("self", "free_index")),
     ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.get_kvcache", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.size", "field"),
+    ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.page_size", "field"),
+    ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.dtype", "field"),
+    ApiName("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.is_quantized_kv_cache", "method", ("self",)),
+    # server setup checked at the first step end (ServerSetup)
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.tree_cache", "field"),
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.enable_overlap", "field"),
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.page_size", "field"),
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.spec_algorithm", "field"),
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.is_mixed_chunk", "field"),
+    ApiName("sglang.srt.managers.scheduler", "Scheduler.token_to_kv_pool_allocator", "field"),
+    ApiName("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache.disable", "field"),
+    ApiName("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm.is_none", "method", ("self",)),
+    ApiName("sglang.srt.runtime_context", "get_memory", "function", ()),
+    ApiName("sglang.srt.runtime_context", "get_parallel", "function", ()),
+    ApiName("sglang.srt.arg_groups.fields.memory", "Memory.enable_unified_memory", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.dcp_size", "field"),
     # tensor parallelism
     ApiName("sglang.srt.distributed.parallel_state", "get_tp_group", "function", ()),
     ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.cpu_group", "field"),
@@ -180,6 +202,61 @@ def visibility_mask_mod(visible: torch.Tensor, group: int):
     return mask_mod
 
 
+@dataclass(frozen=True)
+class ServerSetup:
+    """The SGLang settings KVzap depends on, read from the scheduler at the first step end.
+
+    ``problems(mode)`` lists each wrong one with the flag that fixes it: evict mode moves K/V inside a
+    request's own slots and frees the tail, which is only sound when a slot belongs to one request (no
+    radix cache), is freed one by one (page size 1), is addressed physically (no unified memory, no decode
+    context parallelism), stores plain K/V (no quantized cache: its reads are dequantized copies and its
+    scales would stay behind), and when the step end runs before the next batch is prepared (no overlap).
+    """
+
+    radix_cache: bool
+    overlap: bool
+    page_size: int
+    speculative: bool
+    mixed_chunk: bool
+    unified_memory: bool
+    dcp_size: int
+    kv_dtype: torch.dtype
+    kv_quantized: bool
+    kv_slots: int  # rows of every per-layer K/V buffer (pool size + padding page)
+
+    @classmethod
+    def of(cls, scheduler) -> "ServerSetup":
+        context = _sglang("sglang.srt.runtime_context")
+        kv = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
+                   page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
+                   mixed_chunk=bool(scheduler.is_mixed_chunk),
+                   unified_memory=bool(context.get_memory().enable_unified_memory),
+                   dcp_size=int(context.get_parallel().dcp_size), kv_dtype=kv.dtype,
+                   kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(kv.size + kv.page_size))
+
+    def problems(self, mode: str) -> list[str]:
+        out = []
+        if self.radix_cache:
+            out.append("the radix cache is on (add --disable-radix-cache)")
+        if self.overlap:
+            out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
+        if self.speculative:
+            out.append("speculative decoding is on (drop --speculative-algorithm)")
+        if self.unified_memory:
+            out.append("unified memory is on (drop --enable-unified-memory)")
+        if self.dcp_size != 1:
+            out.append(f"decode context parallelism is {self.dcp_size} (use --dcp-size 1)")
+        if mode == "mask" and self.mixed_chunk:
+            out.append("mixed chunks run decode rows as dense extends, unmasked (drop --enable-mixed-chunk)")
+        if mode == "evict":
+            if self.page_size != 1:
+                out.append(f"the page size is {self.page_size} (use --page-size 1: slots are freed one by one)")
+            if self.kv_quantized or self.kv_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto, or KVZAP_MODE=mask)")
+        return out
+
+
 class KVzapSGLang:
     """Per-process KVzap runtime: scorer, slot-indexed scores, one ``RequestState`` per request slot."""
 
@@ -193,7 +270,9 @@ class KVzapSGLang:
         self.scorer, self.policy, self.mode, self.tp_group = scorer, policy, mode, tp_group
         self.slots = SlotScores(scorer.num_layers, scorer.num_kv_heads)
         self.states: dict[int, RequestState] = {}  # req_pool_idx -> state
+        self.owners: dict[int, object] = {}  # req_pool_idx -> the Req its state belongs to
         self.offsets: torch.Tensor | None = None  # int64 [max requests] evicted tokens per req_pool_idx
+        self.setup: ServerSetup | None = None
         self._sized_for = None
 
     @classmethod
@@ -211,11 +290,16 @@ class KVzapSGLang:
         if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
             raise InputError("KVzap needs the attention input as a float tensor; quantized attention inputs "
                              "(fused input quantization) are not supported")
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ConfigError("KVzap's hooks run in Python and cannot be captured in a CUDA graph; launch with "
+                              "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")
         slots = forward_batch.out_cache_loc
         if slots is None or slots.numel() == 0:
             return
         scores = self.scorer.score(layer, hidden_states.reshape(-1, hidden_states.shape[-1]))
-        if self._sized_for is not forward_batch:  # one host sync per forward, not per layer
+        if self.setup is not None:  # sized once for the whole pool: no host sync
+            self.slots.ensure(self.setup.kv_slots, scores.dtype, scores.device)
+        elif self._sized_for is not forward_batch:  # before the first step end: one host sync per forward
             self.slots.ensure(int(slots.max()) + 1, scores.dtype, scores.device)
             self._sized_for = forward_batch
         self.slots.write(layer, slots, scores[: slots.shape[0]])
@@ -237,10 +321,33 @@ class KVzapSGLang:
         forward_batch.positions = forward_batch.positions + off.to(forward_batch.positions.dtype)
 
     # step end --------------------------------------------------------------------------------------
+    def check_setup(self, setup: ServerSetup) -> None:
+        """Refuses a server configured against KVzap (one line, every problem named); sizes the score buffer."""
+        problems = setup.problems(self.mode)
+        if problems:
+            raise ConfigError(f"KVzap ({self.mode} mode) cannot run on this SGLang server: " + "; ".join(problems))
+        self.setup = setup
+        if self.slots.buffer is not None:
+            self.slots.ensure(setup.kv_slots, self.slots.buffer.dtype, self.slots.buffer.device)
+
+    def forget_finished(self) -> None:
+        """Drops the state of requests that finished (or left their row) since the last step end."""
+        for idx, req in list(self.owners.items()):
+            if req.finished() or req.kv.req_pool_idx != idx:
+                del self.owners[idx]
+                self.states.pop(idx, None)
+                if self.offsets is not None:
+                    self.offsets[idx] = 0
+
     def on_step_end(self, batch, chunked_req=None) -> None:
-        """Feeds each request's new tokens to its state; evicts (evict mode) or updates masks (mask mode)."""
+        """Feeds each request's new tokens to its state; evicts (evict mode) or updates masks (mask mode).
+
+        Prefill or decode is decided per request (its state's phase), not per batch: with
+        ``--enable-mixed-chunk`` an extend batch also carries one new token of each running request.
+        """
         mode = batch.forward_mode
         extend, decode = mode.is_extend(), mode.is_decode()
+        self.forget_finished()
         if not (extend or decode) or not batch.reqs:
             return
         if self.slots.buffer is None:
@@ -257,16 +364,22 @@ class KVzapSGLang:
             if extend and int(batch.prefix_lens[i]) == 0:
                 self.states[idx] = RequestState(self.policy, self.scorer.num_layers, self.scorer.num_kv_heads,
                                                 device=self.slots.buffer.device)
+                self.owners[idx] = req
                 self._set_offset(idx, 0, req_to_token.shape[0])
             state = self.states.get(idx)
             if state is None:
+                if extend and self.mode == "evict":
+                    raise ConfigError(f"request {getattr(req, 'rid', idx)!r} extends a cache KVzap did not build (prefix "
+                                      f"{int(batch.prefix_lens[i])}): streaming sessions and other prefix reuse are not "
+                                      "supported in evict mode")
                 continue
             row = req_to_token[idx, :seq_len]
             scores = self.slots.read(row[seq_len - n:])
-            if extend and req is chunked_req:
+            prefill = state.phase == "prefill"
+            if prefill and extend and req is chunked_req:
                 state.append(scores)  # more prompt chunks follow: no decision yet
                 continue
-            pending.append((i, req, idx, row, state, state.feed(scores, prefill=extend, last=True)))
+            pending.append((i, req, idx, row, state, state.feed(scores, prefill=prefill, last=True)))
         if not pending:
             return
         counts = [p[5].local_count for p in pending]
@@ -384,7 +497,10 @@ def _score_hook(attention, *args, **kwargs):
 
 
 def _step_end_hook(scheduler, batch, *args, **kwargs):
-    runtime().on_step_end(batch, getattr(scheduler, "chunked_req", None))
+    rt = runtime()
+    if rt.setup is None:
+        rt.check_setup(ServerSetup.of(scheduler))
+    rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
 
 
 def _positions_hook(result, *args, **kwargs):

@@ -43,7 +43,9 @@ class FakeSGLang:
         self.req_to_token = torch.zeros(4, 128, dtype=torch.int32)
         kvcache = SimpleNamespace(get_key_buffer=lambda layer: self.k[layer], get_value_buffer=lambda layer: self.v[layer])
         self.allocator = SimpleNamespace(free=lambda idx: self.free.extend(idx.tolist()), get_kvcache=lambda: kvcache)
-        self.req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=2, kv_committed_len=0, kv_allocated_len=0))
+        self.done = False
+        self.req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=2, kv_committed_len=0, kv_allocated_len=0),
+                                   finished=lambda: self.done, rid="r0")
         self.seq_len = 0
         self.logical = 0
 
@@ -85,8 +87,11 @@ class FakeSGLang:
         return k.to(torch.int64)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode_batches", "mixed_chunk"])
 @pytest.mark.parametrize("decoding", [True, False], ids=["decoding", "prefill_only"])
-def test_sglang_evict_mode_frees_slots_and_keeps_kvpress_sets(surrogate, decoding):
+def test_sglang_evict_mode_frees_slots_and_keeps_kvpress_sets(surrogate, decoding, mixed):
+    """mixed: the generated tokens arrive as one-token rows of extend batches (``--enable-mixed-chunk``),
+    which must still be decode steps for the request's state."""
     from kvzap_export.integrations.sglang import KVzapSGLang
 
     scorer = BundleScorer(surrogate)
@@ -100,9 +105,10 @@ def test_sglang_evict_mode_frees_slots_and_keeps_kvpress_sets(surrogate, decodin
     free_before = len(world.free)
     world.forward(runtime, hidden[:40], extend=True)
     for t in range(40, 52):
-        world.forward(runtime, hidden[t: t + 1], extend=False)
+        world.forward(runtime, hidden[t: t + 1], extend=mixed)
     steps = [all_scores[..., :40]] + [all_scores[..., t: t + 1] for t in range(40, 52)]
     expected = ~kvpress_masked(steps, threshold, WINDOW, decoding)
+    assert runtime.states[2].phase == "decode" and runtime.states[2].prompt_length == 40
     state = runtime.states[2]
     assert world.seq_len == state.physical_length < 52 and state.logical_length == 52
     assert len(world.free) == free_before - world.seq_len  # every evicted slot went back to the allocator
@@ -128,6 +134,124 @@ def test_sglang_positions_of_a_reused_request_row_start_at_zero(surrogate):
                              extend_seq_lens=None, extend_prefix_lens=None)
     runtime.shift_positions(decode)
     assert decode.positions.tolist() == [47, 12]
+
+
+def test_sglang_finished_request_state_is_dropped_and_its_row_restarts(surrogate):
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0, window=WINDOW), mode="evict")
+    world = FakeSGLang()
+    hidden = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
+    world.forward(runtime, hidden, extend=True)
+    world.forward(runtime, hidden[:1], extend=False)
+    assert 2 in runtime.states and int(runtime.offsets[2]) == 21 - world.seq_len > 0
+    world.done = True  # SGLang marks it in process_batch_result, after this step's hook
+    assert 2 in runtime.states
+    runtime.on_step_end(SimpleNamespace(forward_mode=mode(False), reqs=[]))  # the next step end: dropped
+    assert runtime.states == {} and runtime.owners == {} and int(runtime.offsets[2]) == 0
+    world.done, world.seq_len, world.logical = False, 0, 0  # a new request takes the row: positions from 0
+    world.forward(runtime, hidden[:4], extend=True)
+    assert runtime.states[2].logical_length == 4 and runtime.owners[2] is world.req
+
+
+def test_sglang_prefix_reuse_is_refused_in_evict_mode(surrogate):
+    """A streaming-session continuation extends a row whose request finished: its physical layout is
+    not what SGLang believes (prefix = logical length), so evict mode stops with one line."""
+    from kvzap_export.errors import ConfigError
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0, window=WINDOW), mode="evict")
+    world = FakeSGLang()
+    hidden = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(5))
+    world.forward(runtime, hidden, extend=True)
+    world.done = True
+    runtime.on_step_end(SimpleNamespace(forward_mode=mode(False), reqs=[]))
+    world.done = False  # the session's next request on the same row, its prefix the logical length
+    world.logical = world.seq_len  # (the state is gone: no position offset either)
+    with pytest.raises(ConfigError, match="streaming sessions"):
+        world.forward(runtime, hidden[:3], extend=True)
+
+
+def good_setup(**changes):
+    from kvzap_export.integrations.sglang import ServerSetup
+
+    base = dict(radix_cache=False, overlap=False, page_size=1, speculative=False, mixed_chunk=False,
+                unified_memory=False, dcp_size=1, kv_dtype=torch.bfloat16, kv_quantized=False, kv_slots=4096)
+    return ServerSetup(**{**base, **changes})
+
+
+@pytest.mark.parametrize("change, modes, flag", [
+    ({"radix_cache": True}, ("evict", "mask"), "--disable-radix-cache"),
+    ({"overlap": True}, ("evict", "mask"), "--disable-overlap-schedule"),
+    ({"speculative": True}, ("evict", "mask"), "--speculative-algorithm"),
+    ({"unified_memory": True}, ("evict", "mask"), "--enable-unified-memory"),
+    ({"dcp_size": 2}, ("evict", "mask"), "--dcp-size 1"),
+    ({"mixed_chunk": True}, ("mask",), "--enable-mixed-chunk"),
+    ({"page_size": 16}, ("evict",), "--page-size 1"),
+    ({"kv_dtype": torch.float8_e4m3fn}, ("evict",), "--kv-cache-dtype auto"),
+    ({"kv_quantized": True}, ("evict",), "--kv-cache-dtype auto"),
+])
+def test_sglang_server_setup_names_the_flag_to_fix(surrogate, change, modes, flag):
+    from kvzap_export.errors import ConfigError
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    assert good_setup().problems("evict") == [] and good_setup().problems("mask") == []
+    for m in ("evict", "mask"):
+        layout = "uniform" if m == "evict" else "ragged"
+        runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0, layout=layout), mode=m)
+        problems = good_setup(**change).problems(m)
+        if m in modes:
+            assert len(problems) == 1 and flag in problems[0]
+            with pytest.raises(ConfigError, match=flag) as err:
+                runtime.check_setup(good_setup(**change))
+            assert "\n" not in str(err.value) and runtime.setup is None
+        else:
+            assert problems == []
+            runtime.check_setup(good_setup(**change))
+            assert runtime.setup is not None
+
+
+def test_sglang_server_setup_read_from_the_scheduler(monkeypatch):
+    """``ServerSetup.of`` reads the scheduler's fields (names checked against 0.5.23 in test_sglang_api)."""
+    from kvzap_export.integrations import sglang
+
+    context = SimpleNamespace(get_memory=lambda: SimpleNamespace(enable_unified_memory=False),
+                              get_parallel=lambda: SimpleNamespace(dcp_size=1))
+    monkeypatch.setattr(sglang, "_sglang", lambda module: context)
+    kv = SimpleNamespace(dtype=torch.float16, is_quantized_kv_cache=False, size=1000, page_size=1)
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(disable=True), enable_overlap=False, page_size=1,
+                                spec_algorithm=SimpleNamespace(is_none=lambda: True), is_mixed_chunk=True,
+                                token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: kv))
+    setup = sglang.ServerSetup.of(scheduler)
+    assert setup == good_setup(kv_dtype=torch.float16, kv_slots=1001, mixed_chunk=True)
+    scheduler.tree_cache = SimpleNamespace()  # a prefix cache without a ``disable`` switch counts as on
+    assert sglang.ServerSetup.of(scheduler).radix_cache
+
+
+def test_sglang_score_buffer_sized_for_the_pool_once_checked(surrogate):
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0, window=WINDOW), mode="evict")
+    world = FakeSGLang()
+    world.forward(runtime, torch.randn(5, HIDDEN), extend=True)
+    assert runtime.slots.buffer.shape[1] == 1024  # grown on demand before the check
+    runtime.check_setup(good_setup(kv_slots=5000))
+    assert runtime.slots.buffer.shape == (LAYERS, 5000, KV_HEADS)
+    world.forward(runtime, torch.randn(1, HIDDEN), extend=False)
+    assert runtime.slots.buffer.shape == (LAYERS, 5000, KV_HEADS)
+
+
+@pytest.mark.gpu
+def test_sglang_scoring_refuses_cuda_graph_capture(surrogate):
+    from kvzap_export.errors import ConfigError
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate.cuda()), KVzapPolicy(0.0), mode="evict")
+    fb = SimpleNamespace(out_cache_loc=torch.arange(1, 5, device="cuda"))
+    hidden = torch.randn(4, HIDDEN, device="cuda")
+    with pytest.raises(ConfigError, match="cuda-graph-backend"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            runtime.score(0, hidden, fb)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
