@@ -22,11 +22,11 @@ owns its model runner, so hooks, scheduler and attention backend share it):
   with ``register_attention_backend``, a ``TorchFlexAttnBackend`` subclass) gives decode a per-layer,
   per-head ``mask_mod`` excluding each head's evicted entries (prefill stays dense, as kvpress).
 
-Server flags: ``--disable-radix-cache`` (slots must belong to one request), CUDA graphs off
-(``--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled``, formerly
-``--disable-cuda-graph``: hooks run in Python), ``--disable-overlap-schedule`` (step end must not race the
-next forward), ``--page-size 1``, no speculative decoding; mask mode adds ``--attention-backend kvzap_flex``
-and excludes ``--enable-mixed-chunk``. ``ServerSetup`` reads them at the first step end and a wrong one
+Server flags (``sglang serve``): ``--disable-radix-cache`` (slots must belong to one request), CUDA graphs
+off (``--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled``: hooks run in Python;
+the old ``--disable-cuda-graph`` is deprecated in 0.5.23), ``--disable-overlap-schedule`` (step end must not
+race the next forward), ``--page-size 1``, no speculative decoding; mask mode adds ``--attention-backend
+kvzap_flex`` and excludes ``--enable-mixed-chunk``. ``ServerSetup`` reads them at the first step end and a wrong one
 stops the scheduler with one line naming the flag; CUDA-graph capture is refused in the scoring hook.
 See docs/integrations.md.
 
@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kvzap_export.errors import ConfigError, InputError
+from kvzap_export.errors import ConfigError, InputError, KvzapError
 from kvzap_export.integrations._lazy import import_engine
 from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores
 
@@ -56,9 +55,10 @@ MODES = ("evict", "mask")
 class ApiName:
     """One SGLang name the glue relies on.
 
-    kind: "function" / "method" (``params``: the leading parameter names, in order, ``self``/``cls``
-    included), "class", "field" (class-level annotation or assignment, or ``self.<name> =`` in a method),
-    "name" (any module-level binding: def, class, assignment, import).
+    kind: "function" / "method" (called; ``params``: the leading parameter names, in order, ``self``/``cls``
+    included), "property" (read as a value: a ``@property`` def), "class", "field" (class-level annotation
+    or assignment, or ``self.<name> =`` in a method), "name" (any module-level binding: def, class,
+    assignment, import).
     """
 
     module: str
@@ -127,7 +127,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.size", "field"),
     ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.page_size", "field"),
     ApiName("sglang.srt.mem_cache.memory_pool", "KVCache.dtype", "field"),
-    ApiName("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.is_quantized_kv_cache", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.is_quantized_kv_cache", "property"),
     # server setup checked at the first step end (ServerSetup)
     ApiName("sglang.srt.managers.scheduler", "Scheduler.tree_cache", "field"),
     ApiName("sglang.srt.managers.scheduler", "Scheduler.enable_overlap", "field"),
@@ -515,11 +515,14 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     (surrogate, buffers, TP slice) is built at the first hook call.
     """
     global _CONFIG, _RUNTIME
+    from kvzap_export.bundle.manifest import read_manifest
+
     hooks = _sglang("sglang.srt.plugins.hook_registry")
     if mode not in MODES:
         raise ConfigError(f"mode {mode!r} is not supported; use one of {list(MODES)}")
-    if not Path(bundle).is_dir():
-        raise ConfigError(f"bundle {bundle}: not a directory; pass a kvzap-export bundle")
+    # The manifest and the policy are checked here, in the launching process, so that a wrong bundle or
+    # threshold stops the launch; the surrogate itself is loaded by each scheduler process at first use.
+    KVzapPolicy.from_manifest(read_manifest(bundle), decoding=decoding, **policy)
     _CONFIG, _RUNTIME = {"bundle": str(bundle), "mode": mode, "decoding": decoding, "policy": policy}, None
     register, kind = hooks.HookRegistry.register, hooks.HookType
     for name in SCORED_ATTENTION:
@@ -536,12 +539,24 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
 
 
 def load_plugin() -> None:
-    """``sglang.srt.plugins`` entry point: ``KVZAP_BUNDLE`` (a bundle directory; unset = KVzap off, with a
-    warning), ``KVZAP_MODE`` (evict|mask), ``KVZAP_DECODING`` (1|0)."""
+    """``sglang.srt.plugins`` entry point (declared by this package, so installing kvzap-export next to SGLang
+    is enough): ``KVZAP_BUNDLE`` (a bundle directory; unset = KVzap off), ``KVZAP_MODE`` (evict|mask),
+    ``KVZAP_DECODING`` (1|0).
+
+    SGLang logs and ignores an exception raised by a plugin, which would leave a server running without
+    the KVzap its operator asked for; a wrong setting therefore exits the process with one line instead.
+    """
+    import logging
+
     bundle = os.environ.get("KVZAP_BUNDLE")
     if not bundle:
-        import logging
-
-        logging.getLogger(__name__).warning("KVzap plugin loaded but KVZAP_BUNDLE is not set: KVzap is off")
+        logging.getLogger(__name__).info("kvzap-export's SGLang plugin: KVZAP_BUNDLE is not set, KVzap is off")
         return
-    install(bundle, os.environ.get("KVZAP_MODE", "evict"), os.environ.get("KVZAP_DECODING", "1") not in ("0", "false"))
+    decoding = os.environ.get("KVZAP_DECODING", "1").strip().lower()
+    try:
+        if decoding not in ("1", "0", "true", "false"):
+            raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
+        install(bundle, os.environ.get("KVZAP_MODE", "evict"), decoding in ("1", "true"))
+    except KvzapError as exc:
+        raise SystemExit(f"kvzap-export: {exc}") from None
+    logging.getLogger(__name__).info("KVzap on: bundle %s, mode %s", bundle, os.environ.get("KVZAP_MODE", "evict"))

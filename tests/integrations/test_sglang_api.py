@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -131,11 +132,22 @@ def problem(source: Source, api: glue.ApiName) -> str | None:
     for cls in chain:
         for node in cls.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == parts[1]:
+                is_property = any(_decorator_name(d) in ("property", "cached_property") for d in node.decorator_list)
+                if api.kind == "property":
+                    return None if is_property else f"{api.target} is a method, not a property (call it)"
+                if is_property:
+                    return f"{api.target} is a property, not a method (read it, do not call it)"
                 got = param_names(node)
                 if got[: len(api.params)] != list(api.params):
                     return f"{api.target} parameters {got}, expected to start with {list(api.params)}"
                 return None
-    return f"{api.target}: no such method"
+    return f"{api.target}: no such {api.kind}"
+
+
+def _decorator_name(node: ast.AST) -> str:
+    """``@property`` -> "property", ``@functools.cached_property`` -> "cached_property", ``@x(...)`` -> "x"."""
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
 def test_every_sglang_name_exists_with_our_signature(wheel):
@@ -161,5 +173,134 @@ def test_checker_catches_drift(wheel):
         glue.ApiName("sglang.srt.models.llama", "LlamaAttention.forward", "method", ("self", "hidden_states")),
         glue.ApiName("sglang.srt.models.no_such_model", "X", "class"),
         glue.ApiName("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.no_such_field", "field"),
+        glue.ApiName("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.is_quantized_kv_cache", "method", ("self",)),
+        glue.ApiName("sglang.srt.managers.schedule_batch", "Req.finished", "property"),
     ]
-    assert all(problem(source, a) for a in bad)
+    assert all(problem(source, a) for a in bad), [a for a in bad if not problem(source, a)]
+
+
+# ---- server flags --------------------------------------------------------------------------------------
+# The glue's messages and docs/integrations.md tell users which `sglang serve` flags to pass. 0.5.23 derives
+# most flags from annotated config fields (``name: A[type, Arg(cli_name=, aliases=, no_cli=, choices=)]`` in
+# ``sglang/srt/arg_groups/fields/``, flag = "--" + name with dashes) and adds a few with ``add_argument``
+# (``server_args.py``; deprecated spellings use a ``Deprecated*`` action). Both are read here.
+
+FLAG_USE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:[ =]([A-Za-z0-9_.-]+))?")
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
+@dataclass(frozen=True)
+class ServerFlag:
+    deprecated: bool
+    choices: frozenset | None  # literal choices, when the source spells them out
+
+
+def _literal_strings(node: ast.AST) -> frozenset | None:
+    values = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return frozenset(values) or None
+
+
+def _keyword(call: ast.Call, name: str):
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _is_deprecated_action(node) -> bool:
+    return isinstance(node, ast.Name) and node.id.startswith("Deprecated")
+
+
+def _field_flags(item: ast.AnnAssign) -> dict[str, ServerFlag]:
+    ann = item.annotation
+    if not (isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id in ("A", "Annotated")
+            and isinstance(ann.slice, ast.Tuple) and len(ann.slice.elts) >= 2):
+        return {}
+    kind, meta = ann.slice.elts[0], ann.slice.elts[1]
+    names, deprecated = ["--" + item.target.id.replace("_", "-")], False
+    literal = next((n for n in ast.walk(kind) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                    and n.value.id == "Literal"), None)
+    choices = _literal_strings(literal) if literal is not None else None
+    if isinstance(meta, ast.Call) and isinstance(meta.func, ast.Name) and meta.func.id == "Arg":
+        no_cli = _keyword(meta, "no_cli")
+        if isinstance(no_cli, ast.Constant) and no_cli.value is True:
+            return {}
+        cli_name, aliases, listed = _keyword(meta, "cli_name"), _keyword(meta, "aliases"), _keyword(meta, "choices")
+        if isinstance(cli_name, ast.Constant):
+            names[0] = cli_name.value
+        if isinstance(aliases, ast.List):
+            names += [e.value for e in aliases.elts if isinstance(e, ast.Constant)]
+        if isinstance(listed, ast.List):
+            choices = _literal_strings(listed)
+        deprecated = _is_deprecated_action(_keyword(meta, "action"))
+    elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
+        return {}  # fields without Arg or a help string get no flag
+    return {name: ServerFlag(deprecated, choices) for name in names}
+
+
+def server_flags(source: Source) -> dict[str, ServerFlag]:
+    """Every command-line flag of ``sglang serve`` in the wheel."""
+    flags: dict[str, ServerFlag] = {}
+    for path in sorted(source.names):
+        if not (path.startswith("sglang/srt/arg_groups/fields/") and path.endswith(".py")) and path != "sglang/srt/server_args.py":
+            continue
+        for node in ast.walk(ast.parse(source.zf.read(path).decode("utf-8"), filename=path)):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        flags.update(_field_flags(item))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                listed = _keyword(node, "choices")
+                flag = ServerFlag(_is_deprecated_action(_keyword(node, "action")),
+                                  _literal_strings(listed) if isinstance(listed, ast.List) else None)
+                flags.update({a.value: flag for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")})
+    return flags
+
+
+def flags_we_tell_users() -> list[tuple[str, str | None, str]]:
+    """(flag, value or None, where) for every flag named in the SGLang glue and the SGLang part of the docs.
+
+    A line that says "deprecated" may name a deprecated flag (to point from the old spelling to the new one);
+    lines running other commands (pip, kvzap-export) are not SGLang's.
+    """
+    docs = DOCS.read_text()
+    section = docs[docs.index("## SGLang"): docs.index("\n## ", docs.index("## SGLang") + 1)]
+    found = []
+    for where, text in (("kvzap_export/integrations/sglang.py", Path(glue.__file__).read_text()),
+                        ("docs/integrations.md", section)):
+        for number, line in enumerate(text.splitlines(), 1):
+            if re.search(r"\bpip (download|install)\b|\bkvzap-export --", line):
+                continue
+            for flag, value in FLAG_USE.findall(line):
+                value = value if value and not value.startswith("--") else None
+                found.append((flag, value, f"{where}:{number}" + (" (deprecated allowed)" if "deprecated" in line.lower() else "")))
+    return found
+
+
+def flag_problems(flags: dict[str, ServerFlag], uses) -> list[str]:
+    out = []
+    for flag, value, where in uses:
+        known = flags.get(flag)
+        if known is None:
+            out.append(f"{where}: {flag} is not a flag of sglang {glue.SGLANG_VERSION}")
+        elif known.deprecated and "deprecated allowed" not in where:
+            out.append(f"{where}: {flag} is deprecated in sglang {glue.SGLANG_VERSION}")
+        elif value is not None and known.choices and value not in known.choices:
+            out.append(f"{where}: {flag} {value}: not one of {sorted(known.choices)}")
+    return out
+
+
+def test_every_server_flag_we_name_exists(wheel):
+    uses = flags_we_tell_users()
+    assert {"--disable-radix-cache", "--disable-overlap-schedule", "--page-size", "--cuda-graph-backend-decode",
+            "--attention-backend"} <= {flag for flag, _, _ in uses}
+    problems = flag_problems(server_flags(Source(wheel)), uses)
+    assert not problems, "flags the glue or its docs name that sglang 0.5.23 does not take:\n" + "\n".join(problems)
+
+
+def test_flag_checker_catches_drift(wheel):
+    flags = server_flags(Source(wheel))
+    assert flags["--disable-cuda-graph"].deprecated and not flags["--disable-radix-cache"].deprecated
+    assert flags["--cuda-graph-backend-decode"].choices == {"full", "breakable", "disabled"}
+    assert "auto" in flags["--kv-cache-dtype"].choices and "--decode-context-parallel-size" in flags
+    bad = [("--disable-cuda-graph", None, "x"), ("--no-such-flag", None, "x"), ("--cuda-graph-backend-decode", "off", "x"),
+           ("--kv-cache-dtype", "fp9", "x")]
+    assert len(flag_problems(flags, bad)) == len(bad)
+    assert flag_problems(flags, [("--kv-cache-dtype", "auto", "x"), ("--page-size", "1", "x")]) == []
