@@ -1,23 +1,26 @@
 #!/usr/bin/env python
-"""GPU benchmark of the Triton kernels (kvzap_export/kernels/triton_compaction.py) against the torch reference.
+"""GPU benchmark of the compaction kernels — Triton (kvzap_export/kernels/triton_compaction.py) and CUDA C
+(plugins/src/compaction.cu through kvzap_export/kernels/cuda_lib.py) — against the torch reference.
 
     python scripts/bench_kernels.py                        # Llama-3.1-8B shapes: batch 1, 8 KV heads, head dim 128, bf16
     python scripts/bench_kernels.py --seq 4096 131072 --json results.json
-    python scripts/bench_kernels.py --check                # exactness of the kernels on this GPU, then exit
-    python scripts/bench_kernels.py --rows 16 32 64 128 --block 1024 2048 --chunk 4096 8192 131072   # sweep tiles
+    python scripts/bench_kernels.py --check                # exactness of both kernels on this GPU, then exit
+    python scripts/bench_kernels.py --cuda-lib build/libkvzap_kernels.so   # a library CMake built (default: nvcc now)
+    python scripts/bench_kernels.py --rows 16 32 64 128 --block 1024 2048 --chunk 4096 8192 131072   # sweep Triton tiles
 
-Two benchmarks per sequence length T:
+Two benchmarks per sequence length T, for each kernel implementation:
 
-- compaction: the fused kernel (``launch_threshold_compaction``: no input validation, no host sync) vs the
-  reference's ``keep_mask`` + ``indices_from_keep`` (also without validation); also the validated public
-  ``triton_threshold_compaction`` (``check_inputs`` reads ``lengths`` back to the host).
+- compaction: the fused kernel's launcher (no input validation, no host sync) vs the reference's
+  ``keep_mask`` + ``indices_from_keep`` (also without validation); also the validated public entry point
+  (``check_inputs`` reads ``lengths`` back to the host).
 - K/V move: the move kernel vs the reference ``kv_compaction`` vs a device-to-device copy of K and V (the
   same output bytes). Effective bandwidth counts the bytes each really touches: the move reads the kept
   rows and the indices and writes every row; the copy reads and writes every row.
 
 Timing: CUDA events around each call, L2 flushed (a 256 MiB write) before each, warm-up calls first,
 median of ``--reps``. Targets (printed, informational): K/V move ≥ 80% of copy bandwidth, fused compaction
-≥ 5× faster than the reference at the longest T.
+≥ 5× faster than the reference at the longest T. The CUDA library is built with nvcc into a temporary
+directory unless ``--cuda-lib`` names one; without nvcc the CUDA rows are skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DEVICE = "cuda"
 MOVE_TARGET = 0.80
 SPEEDUP_TARGET = 5.0
+# --check also runs these (batch, heads, seq, head_dim): several sequences, odd head dims, rows not 16-byte sized
+ODD_SHAPES = ((3, 2, 1000, 24), (2, 3, 5000, 64), (2, 2, 333, 3))
 
 
 def _timer(torch, flush, warmup: int, reps: int):
@@ -64,7 +70,8 @@ def _inputs(torch, batch: int, heads: int, seq: int, head_dim: int, dtype, seed:
     return scores, lengths, keys, values
 
 
-def bench(args) -> list[dict]:
+def bench(args, cuda=None) -> list[dict]:
+    """Rows of timings; ``cuda``: a ``CudaKernels`` or None (Triton only)."""
     import torch
 
     from kvzap_export.kernels import triton_compaction as tk
@@ -77,21 +84,26 @@ def bench(args) -> list[dict]:
     for seq in args.seq:
         scores, lengths, keys, values = _inputs(torch, args.batch, args.heads, seq, args.head_dim, dtype)
         tau, window = args.threshold, args.window
+        ref_s = measure(lambda: indices_from_keep(keep_mask(scores, lengths, tau, window, 0)))
 
-        def reference():
-            return indices_from_keep(keep_mask(scores, lengths, tau, window, 0))
+        def compaction_row(impl, config, kernel_s, validated_s):
+            return {"benchmark": "compaction", "impl": impl, "seq": seq, "config": config, "kernel_us": kernel_s * 1e6,
+                    "validated_us": validated_s * 1e6, "torch_reference_us": ref_s * 1e6, "speedup": ref_s / kernel_s}
 
-        ref_s = measure(reference)
         public_s = measure(lambda: tk.triton_threshold_compaction(scores, lengths, tau, window))
         for block in args.block or [None]:
             for chunk in args.chunk or [None]:
                 config = tk.compaction_config(seq, block, chunk)
                 kernel_s = measure(lambda c=config: tk.launch_threshold_compaction(
                     scores, lengths, tau, window, 0, block=c.block, chunk=c.chunk))
-                rows.append({"benchmark": "compaction", "seq": seq, "block": config.block, "chunk": config.chunk,
-                             "programs": config.programs(args.batch, args.heads, seq),
-                             "triton_us": kernel_s * 1e6, "triton_validated_us": public_s * 1e6,
-                             "torch_reference_us": ref_s * 1e6, "speedup": ref_s / kernel_s})
+                rows.append(compaction_row("triton", f"block {config.block}, chunk {config.chunk}, "
+                                           f"{config.programs(args.batch, args.heads, seq)} programs", kernel_s, public_s))
+        if cuda is not None:
+            tau_t = torch.tensor(tau, dtype=torch.float32, device=DEVICE)
+            win_t = torch.tensor(window, dtype=torch.int32, device=DEVICE)
+            kernel_s = measure(lambda: cuda.launch_threshold_compaction(scores, lengths, tau_t, win_t))
+            validated_s = measure(lambda: cuda.threshold_compaction(scores, lengths, tau, window))
+            rows.append(compaction_row("cuda", "one block per (sequence, head)", kernel_s, validated_s))
 
         result = tk.launch_threshold_compaction(scores, lengths, tau, window)
         kept = int(result.counts.sum())
@@ -109,89 +121,123 @@ def bench(args) -> list[dict]:
         copy_s = measure(copy)
         ref_move_s = measure(lambda: kv_compaction(keys, values, result.indices))
         copy_gbps = copy_bytes / copy_s / 1e9
+
+        def move_row(impl, config, move_s):
+            move_gbps = move_bytes / move_s / 1e9
+            return {"benchmark": "kv_move", "impl": impl, "seq": seq, "config": config, "kept_fraction": kept / total_rows,
+                    "kernel_us": move_s * 1e6, "torch_reference_us": ref_move_s * 1e6, "copy_us": copy_s * 1e6,
+                    "kernel_GBps": move_gbps, "torch_reference_GBps": move_bytes / ref_move_s / 1e9, "copy_GBps": copy_gbps,
+                    "pct_of_copy_bandwidth": 100 * move_gbps / copy_gbps, "speedup_vs_reference": ref_move_s / move_s}
+
         for r in args.rows or [None]:
             move_s = measure(lambda r=r: tk.launch_kv_compaction(keys, values, result.indices, rows=r))
-            move_gbps = move_bytes / move_s / 1e9
-            rows.append({"benchmark": "kv_move", "seq": seq, "rows": r or tk.move_rows_per_program(args.head_dim, elem),
-                         "kept_fraction": kept / total_rows, "triton_us": move_s * 1e6, "torch_reference_us": ref_move_s * 1e6,
-                         "copy_us": copy_s * 1e6, "triton_GBps": move_gbps,
-                         "torch_reference_GBps": move_bytes / ref_move_s / 1e9, "copy_GBps": copy_gbps,
-                         "pct_of_copy_bandwidth": 100 * move_gbps / copy_gbps, "speedup_vs_reference": ref_move_s / move_s})
+            rows.append(move_row("triton", f"{r or tk.move_rows_per_program(args.head_dim, elem)} rows/program", move_s))
+        if cuda is not None:
+            out = (keys_out, values_out)
+            move_s = measure(lambda: cuda.launch_kv_compaction(keys, values, result.indices, out=out))
+            rows.append(move_row("cuda", "16-byte vectors" if row_bytes % 16 == 0 else "scalar rows", move_s))
         del scores, lengths, keys, values, keys_out, values_out, result
         torch.cuda.empty_cache()
     return rows
 
 
-def check(args) -> bool:
-    """Kernels vs the reference (CPU and CUDA) at the benchmark shapes and small odd ones; True if all exact."""
+def check(args, cuda=None) -> bool:
+    """Both kernels vs the reference (CPU and CUDA) at the benchmark shapes and small odd ones; True if all exact."""
     import torch
 
     from kvzap_export.kernels import triton_compaction as tk
     from kvzap_export.ops.compaction import kv_compaction, threshold_compaction
 
     ok = True
-    shapes = [(args.batch, args.heads, seq, args.head_dim) for seq in args.seq] + [(3, 2, 1000, 24), (2, 3, 5000, 64)]
+
+    def same(label, got, want) -> None:
+        nonlocal ok
+        equal = all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+        ok &= equal
+        if not equal:
+            print(f"MISMATCH {label}")
+
+    shapes = [(args.batch, args.heads, seq, args.head_dim) for seq in args.seq] + list(ODD_SHAPES)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for batch, heads, seq, head_dim in shapes:
             scores, _, keys, values = _inputs(torch, batch, heads, seq, head_dim, dtype, seed=seq)
             lengths = torch.randint(0, seq + 1, (batch,), device=DEVICE, dtype=torch.int32)
             lengths[0] = seq
             for tau, window, sink in ((args.threshold, args.window, 0), (0.37, 7, 4), (-1.0, 0, 0)):
-                got = tk.triton_threshold_compaction(scores, lengths, tau, window, sink)
+                case = f"{dtype} {(batch, heads, seq, head_dim)} tau={tau} window={window} sink={sink}"
+                ref = threshold_compaction(scores.cpu(), lengths.cpu(), tau, window, sink)
+                same(f"compaction vs cuda-device reference {case}", threshold_compaction(scores, lengths, tau, window, sink), ref)
+                same(f"triton compaction {case}", tk.triton_threshold_compaction(scores, lengths, tau, window, sink), ref)
                 for block, chunk in ((64, 256), (None, 1 << 30)):  # many programs per row; one program per row
-                    same = all(torch.equal(a, b) for a, b in zip(
-                        tk.launch_threshold_compaction(scores, lengths, tau, window, sink, block=block, chunk=chunk), got))
-                    ok &= same
-                    if not same:
-                        print(f"MISMATCH compaction tiles block={block} chunk={chunk} {dtype} {(batch, heads, seq)}")
-                for where in ("cpu", DEVICE):
-                    ref = threshold_compaction(scores.to(where), lengths.to(where), tau, window, sink)
-                    same = all(torch.equal(g.cpu(), r.cpu()) for g, r in zip(got, ref))
-                    ok &= same
-                    if not same:
-                        print(f"MISMATCH compaction {dtype} {(batch, heads, seq)} tau={tau} window={window} sink={sink} vs {where} reference")
-                moved = tk.triton_kv_compaction(keys, values, got.indices)
-                ref_kv = kv_compaction(keys, values, got.indices)
-                same = all(torch.equal(g, r) for g, r in zip(moved, ref_kv))
-                ok &= same
-                if not same:
-                    print(f"MISMATCH kv_move {dtype} {(batch, heads, seq, head_dim)} tau={tau}")
-    print(f"check: {'all kernels exactly equal the reference' if ok else 'MISMATCHES found'} on {torch.cuda.get_device_name()}")
+                    same(f"triton compaction tiles block={block} chunk={chunk} {case}",
+                         tk.launch_threshold_compaction(scores, lengths, tau, window, sink, block=block, chunk=chunk), ref)
+                ref_kv = kv_compaction(keys, values, ref.indices.to(DEVICE))
+                same(f"triton kv_move {case}", tk.triton_kv_compaction(keys, values, ref.indices.to(DEVICE)), ref_kv)
+                if cuda is not None:
+                    for keep_dtype in (torch.bool, torch.int32):
+                        got = cuda.threshold_compaction(scores, lengths, tau, window, sink, keep_dtype=keep_dtype)
+                        same(f"cuda compaction keep={keep_dtype} {case}", (got.keep.bool(), got.counts, got.indices), ref)
+                    same(f"cuda kv_move {case}", cuda.kv_compaction(keys, values, ref.indices.to(DEVICE)), ref_kv)
+    kernels = "the Triton and CUDA kernels" if cuda is not None else "the Triton kernels (CUDA library not loaded)"
+    print(f"check: {kernels} {'exactly equal the reference' if ok else ': MISMATCHES found'} on {_device_name(torch)}")
     return ok
+
+
+def _device_name(torch) -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
 
 
 def _table(rows: list[dict]) -> str:
     lines = []
     comp = [r for r in rows if r["benchmark"] == "compaction"]
     if comp:
-        lines += ["| T | block | chunk | programs | fused kernel µs | validated launcher µs | torch reference µs | speedup |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['seq']} | {r['block']} | {r['chunk']} | {r['programs']} | {r['triton_us']:.1f} | "
-                  f"{r['triton_validated_us']:.1f} | {r['torch_reference_us']:.1f} | {r['speedup']:.1f}× |" for r in comp]
+        lines += ["| T | kernel | configuration | fused kernel µs | validated entry µs | torch reference µs | speedup |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['seq']} | {r['impl']} | {r['config']} | {r['kernel_us']:.1f} | {r['validated_us']:.1f} | "
+                  f"{r['torch_reference_us']:.1f} | {r['speedup']:.1f}× |" for r in comp]
     move = [r for r in rows if r["benchmark"] == "kv_move"]
     if move:
-        lines += ["", "| T | rows/program | kept | move kernel µs (GB/s) | torch reference µs (GB/s) | D2D copy µs (GB/s) | % of copy BW |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['seq']} | {r['rows']} | {100 * r['kept_fraction']:.0f}% | {r['triton_us']:.1f} ({r['triton_GBps']:.0f}) | "
-                  f"{r['torch_reference_us']:.1f} ({r['torch_reference_GBps']:.0f}) | {r['copy_us']:.1f} ({r['copy_GBps']:.0f}) | "
-                  f"{r['pct_of_copy_bandwidth']:.0f}% |" for r in move]
+        lines += ["", "| T | kernel | configuration | kept | move kernel µs (GB/s) | torch reference µs (GB/s) | D2D copy µs (GB/s) | % of copy BW |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['seq']} | {r['impl']} | {r['config']} | {100 * r['kept_fraction']:.0f}% | {r['kernel_us']:.1f} "
+                  f"({r['kernel_GBps']:.0f}) | {r['torch_reference_us']:.1f} ({r['torch_reference_GBps']:.0f}) | "
+                  f"{r['copy_us']:.1f} ({r['copy_GBps']:.0f}) | {r['pct_of_copy_bandwidth']:.0f}% |" for r in move]
     return "\n".join(lines)
 
 
 def _targets(rows: list[dict]) -> list[str]:
     longest = max(r["seq"] for r in rows)
-    best_comp = max((r for r in rows if r["benchmark"] == "compaction" and r["seq"] == longest), key=lambda r: r["speedup"])
-    best_move = max((r for r in rows if r["benchmark"] == "kv_move" and r["seq"] == longest), key=lambda r: r["pct_of_copy_bandwidth"])
-    return [
-        f"target fused compaction >= {SPEEDUP_TARGET:.0f}x reference at T={longest}: {best_comp['speedup']:.1f}x "
-        f"({'met' if best_comp['speedup'] >= SPEEDUP_TARGET else 'MISSED'})",
-        f"target K/V move >= {100 * MOVE_TARGET:.0f}% of copy bandwidth at T={longest}: {best_move['pct_of_copy_bandwidth']:.0f}% "
-        f"({'met' if best_move['pct_of_copy_bandwidth'] >= 100 * MOVE_TARGET else 'MISSED'})",
-    ]
+    out = []
+    for impl in sorted({r["impl"] for r in rows}, reverse=True):  # triton, then cuda
+        at = [r for r in rows if r["impl"] == impl and r["seq"] == longest]
+        comp = max((r for r in at if r["benchmark"] == "compaction"), key=lambda r: r["speedup"])
+        move = max((r for r in at if r["benchmark"] == "kv_move"), key=lambda r: r["pct_of_copy_bandwidth"])
+        out += [f"target {impl} fused compaction >= {SPEEDUP_TARGET:.0f}x reference at T={longest}: {comp['speedup']:.1f}x "
+                f"({'met' if comp['speedup'] >= SPEEDUP_TARGET else 'MISSED'})",
+                f"target {impl} K/V move >= {100 * MOVE_TARGET:.0f}% of copy bandwidth at T={longest}: "
+                f"{move['pct_of_copy_bandwidth']:.0f}% ({'met' if move['pct_of_copy_bandwidth'] >= 100 * MOVE_TARGET else 'MISSED'})"]
+    return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _cuda_kernels(args, scratch: Path):
+    """The CUDA library: --cuda-lib, else built with nvcc into ``scratch``; None (with a printed line) if it cannot be."""
+    from kvzap_export.errors import KvzapError
+    from kvzap_export.kernels.cuda_lib import CudaKernels, build_kernel_library
+
+    if args.no_cuda:
+        return None
+    try:
+        if args.cuda_lib is not None:
+            return CudaKernels(args.cuda_lib)
+        print("bench_kernels: building the CUDA kernels with nvcc (sm_80, sm_90) ...", flush=True)
+        return CudaKernels(build_kernel_library(scratch / "libkvzap_kernels.so"))
+    except KvzapError as error:
+        print(f"bench_kernels: CUDA kernels skipped: {error}")
+        return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="KV heads (Llama-3.1-8B: 8)")
@@ -207,15 +253,21 @@ def main(argv=None) -> int:
                         help="compaction tokens per program to sweep (powers of two; >= T gives one program per row)")
     parser.add_argument("--json", type=Path, help="also write the rows (and device, versions) to this JSON file")
     parser.add_argument("--check", action="store_true", help="verify exactness on the GPU instead of timing")
-    args = parser.parse_args(argv)
+    parser.add_argument("--cuda-lib", type=Path, help="a built libkvzap_kernels.so (default: build one with nvcc now)")
+    parser.add_argument("--no-cuda", action="store_true", help="Triton kernels only")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     try:
         import torch
     except ModuleNotFoundError:
-        print("bench_kernels: needs torch (and a CUDA GPU); torch is not installed")
+        print("bench_kernels: needs torch (and a CUDA GPU); torch is not installed", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench_kernels: needs a CUDA GPU; none is visible to torch on this machine")
+        print("bench_kernels: needs a CUDA GPU; none is visible to torch on this machine", file=sys.stderr)
         return 2
     from kvzap_export.errors import KvzapError
     from kvzap_export.kernels import triton_compaction as tk
@@ -223,14 +275,16 @@ def main(argv=None) -> int:
     try:
         tk.require_triton()
     except KvzapError as error:
-        print(f"bench_kernels: {error}")
+        print(f"bench_kernels: {error}", file=sys.stderr)
         return 2
-    if args.check:
-        return 0 if check(args) else 1
-
-    rows = bench(args)
-    device = torch.cuda.get_device_name()
-    print(f"# Triton kernels vs torch reference — {device}, batch {args.batch}, {args.heads} KV heads, "
+    with tempfile.TemporaryDirectory(prefix="kvzap-bench-") as scratch:
+        cuda = _cuda_kernels(args, Path(scratch))
+        if args.check:
+            return 0 if check(args, cuda) else 1
+        rows = bench(args, cuda)
+    device = _device_name(torch)
+    kernels = "Triton and CUDA kernels" if cuda is not None else "Triton kernels"
+    print(f"# {kernels} vs torch reference — {device}, batch {args.batch}, {args.heads} KV heads, "
           f"head dim {args.head_dim}, {args.dtype}, τ={args.threshold}, window={args.window}; median of {args.reps}")
     print(_table(rows))
     print()

@@ -6,7 +6,6 @@ Without TensorRT headers (this project's CI) the plugin source is not compiled a
 skips and says so. Point ``TensorRT_ROOT`` at a directory holding ``include/NvInferRuntime.h`` to run it.
 """
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -15,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvzap_export.ops import kv_compaction, threshold_compaction
+from kvzap_export.kernels.cuda_lib import ABI, PLUGINS, CudaKernels, build_kernel_library
+from kvzap_export.ops import Compaction, kv_compaction, threshold_compaction
 
-PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 HARNESS = Path(__file__).with_name("plugin_harness.cpp")
 NVCC = shutil.which("nvcc")
 CMAKE = shutil.which("cmake")
-ABI = ("kvzap_threshold_compaction", "kvzap_kv_compaction")
-KVZAP_FLOAT32, KVZAP_FLOAT16, KVZAP_BFLOAT16, KVZAP_BOOL, KVZAP_INT32 = range(5)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) is not on PATH")
 
 
@@ -60,11 +57,7 @@ def _architectures(library: Path) -> set[str]:
 def nvcc_library(tmp_path_factory) -> Path:
     if NVCC is None:
         pytest.skip("nvcc (CUDA toolkit) is not on PATH")
-    out = tmp_path_factory.mktemp("nvcc") / "libkvzap_kernels.so"
-    _run([NVCC, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-Wextra", "-shared", f"-I{PLUGINS / 'include'}",
-          "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-          str(PLUGINS / "src" / "compaction.cu"), "-o", str(out)])
-    return out
+    return build_kernel_library(tmp_path_factory.mktemp("nvcc") / "libkvzap_kernels.so")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +79,24 @@ def cmake_build(tmp_path_factory) -> tuple[Path, str]:
 def test_nvcc_builds_sm80_and_sm90_with_the_c_abi(nvcc_library):
     assert set(ABI) <= _exported(nvcc_library)
     assert _architectures(nvcc_library) == {"sm_80", "sm_90"}
+
+
+@needs_nvcc
+def test_the_binding_loads_the_library_and_validates_like_the_reference(nvcc_library, tmp_path):
+    """No GPU needed: the library loads (CUDA runtime linked statically) and bad inputs fail before any launch."""
+    from kvzap_export.errors import ConfigError, InputError
+
+    kernels = CudaKernels(nvcc_library)
+    assert kernels.lib.kvzap_threshold_compaction.restype is not None
+    scores, lengths = torch.zeros(1, 2, 8), torch.tensor([8])
+    with pytest.raises(InputError, match="one CUDA device"):
+        kernels.threshold_compaction(scores, lengths, -4.0, 2)
+    with pytest.raises(InputError, match="lengths must lie in"):  # the reference's own checks come first
+        kernels.threshold_compaction(scores, torch.tensor([9]), -4.0, 2)
+    with pytest.raises(InputError, match="one CUDA device"):
+        kernels.kv_compaction(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, dtype=torch.int32))
+    with pytest.raises(ConfigError, match="no such kernel library"):
+        CudaKernels(tmp_path / "missing.so")
 
 
 @needs_nvcc
@@ -120,69 +131,62 @@ def test_plugin_builds_exports_its_entry_points_and_behaves_as_tensorrt_expects(
     assert _run([str(driver), str(plugin)]).stdout.strip() == "ok"
 
 
-def _stream() -> ctypes.c_void_p:
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-
-
-def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(tensor.data_ptr())
-
-
-def _compaction(lib, scores, lengths, tau, window, sink, keep_dtype=KVZAP_BOOL):
-    dtype = {torch.float32: KVZAP_FLOAT32, torch.float16: KVZAP_FLOAT16, torch.bfloat16: KVZAP_BFLOAT16}[scores.dtype]
+def _compaction(kernels: CudaKernels, scores, lengths, tau, window, sink, keep_dtype=torch.bool):
+    """The validated binding, writing into outputs pre-filled with values no kernel may leave behind."""
     batch, heads, seq = scores.shape
-    keep = torch.full((batch, heads, seq), 7, dtype=torch.uint8 if keep_dtype == KVZAP_BOOL else torch.int32, device="cuda")
-    counts = torch.full((batch, heads), -7, dtype=torch.int32, device="cuda")
-    indices = torch.full((batch, heads, seq), -7, dtype=torch.int32, device="cuda")
+    out = Compaction(torch.full((batch, heads, seq), 7, dtype=torch.uint8, device="cuda"),
+                     torch.full((batch, heads), -7, dtype=torch.int32, device="cuda"),
+                     torch.full((batch, heads, seq), -7, dtype=torch.int32, device="cuda"))
+    keep = out.keep.view(torch.bool) if keep_dtype == torch.bool else out.keep.new_full((batch, heads, seq), 7, dtype=torch.int32)
     tau_t = torch.tensor(tau, dtype=torch.float32, device="cuda")
     win_t = torch.tensor(window, dtype=torch.int32, device="cuda")
-    lengths = lengths.to("cuda", torch.int32)
-    status = lib.kvzap_threshold_compaction(_ptr(scores), dtype, _ptr(lengths), _ptr(tau_t), _ptr(win_t), batch, heads, seq,
-                                            sink, _ptr(keep), keep_dtype, _ptr(counts), _ptr(indices), _stream())
+    got = kernels.launch_threshold_compaction(scores, lengths.to("cuda", torch.int32), tau_t, win_t, sink, keep_dtype,
+                                              out=Compaction(keep, out.counts, out.indices))
     torch.cuda.synchronize()
-    assert status == 0
-    assert set(keep.unique().tolist()) <= {0, 1}
-    return keep.bool().cpu(), counts.cpu(), indices.cpu()
+    raw = got.keep.view(torch.uint8) if keep_dtype == torch.bool else got.keep
+    assert set(raw.unique().tolist()) <= {0, 1}
+    return got.keep.bool().cpu(), got.counts.cpu(), got.indices.cpu()
 
 
-def _move(lib, keys, values, indices, offset=0):
+def _move(kernels: CudaKernels, keys, values, indices, offset=0):
     """K/V move; ``offset`` > 0 shifts every pointer by that many elements (unaligned: the scalar paths)."""
     batch, heads, seq, dim = keys.shape
-    k, v = (torch.cat([t.new_zeros(offset), t.flatten()]).cuda() for t in (keys, values))
-    k_out, v_out = torch.full_like(k, 3), torch.full_like(v, 3)
-    ic = indices.to("cuda", torch.int32)
-    status = lib.kvzap_kv_compaction(*(ctypes.c_void_p(t.data_ptr() + offset * t.element_size()) for t in (k, v)), _ptr(ic),
-                                     batch, heads, seq, dim, keys.element_size(),
-                                     *(ctypes.c_void_p(t.data_ptr() + offset * t.element_size()) for t in (k_out, v_out)), _stream())
+    k, v = (torch.cat([t.new_zeros(offset), t.flatten()]).cuda()[offset:].view(keys.shape) for t in (keys, values))
+    k_out, v_out = (torch.full((keys.numel() + offset,), 3, dtype=keys.dtype, device="cuda")[offset:].view(keys.shape)
+                    for _ in range(2))
+    kernels.launch_kv_compaction(k, v, indices.to("cuda", torch.int32).contiguous(), out=(k_out, v_out))
     torch.cuda.synchronize()
-    assert status == 0
-    return (t[offset:].view(keys.shape).cpu() for t in (k_out, v_out))
+    return k_out.cpu(), v_out.cpu()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_kernels_equal_the_reference(nvcc_library, dtype):
-    lib = ctypes.CDLL(str(nvcc_library))
+    lib = CudaKernels(nvcc_library)
     gen = torch.Generator().manual_seed(0)
     scores = (torch.randn(3, 8, 5000, generator=gen) - 0.3).to(dtype)
     scores[..., ::97] = float("nan")
     scores[..., 5::89] = torch.tensor(-0.3).to(dtype)  # exactly tau rounded to the dtype: kept (strict <)
     lengths = torch.tensor([5000, 1234, 0])
     ref = threshold_compaction(scores, lengths, -0.3, 128, 4)
-    for keep_dtype in (KVZAP_BOOL, KVZAP_INT32):
+    for keep_dtype in (torch.bool, torch.int32):
         got = _compaction(lib, scores.cuda(), lengths, -0.3, 128, 4, keep_dtype)
         assert all(torch.equal(g, r) for g, r in zip(got, ref))
+    validated = lib.threshold_compaction(scores.cuda(), lengths.cuda(), -0.3, 128, 4)  # the public binding
+    assert all(torch.equal(g.cpu(), r) for g, r in zip(validated, ref))
     keys, values = (torch.randn(3, 8, 5000, 128, generator=gen).to(dtype) for _ in range(2))
     ref_k, ref_v = kv_compaction(keys, values, ref.indices)
     for offset in (0, 1):  # 16-byte vectors, then the unaligned fallback
         k_out, v_out = _move(lib, keys, values, ref.indices, offset)
         assert torch.equal(k_out, ref_k) and torch.equal(v_out, ref_v)
+    k_out, v_out = lib.kv_compaction(keys.cuda(), values.cuda(), ref.indices.cuda())  # the public binding
+    assert torch.equal(k_out.cpu(), ref_k) and torch.equal(v_out.cpu(), ref_v)
 
 
 @pytest.mark.gpu
 def test_cuda_kernels_cover_long_sequences_and_odd_rows(nvcc_library):
     """Past 65535 * 8 rows the move kernel strides over the grid's y limit; head_dim 3 in fp16 moves bytes."""
-    lib = ctypes.CDLL(str(nvcc_library))
+    lib = CudaKernels(nvcc_library)
     gen = torch.Generator().manual_seed(1)
     seq = 600_000
     scores = torch.randn(1, 1, seq, generator=gen)
