@@ -115,6 +115,9 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "ScheduleBatch.extend_lens", "field"),
     ApiName(_SB, "Req.kv", "field"),
     ApiName(_SB, "Req.finished", "method", ("self",)),
+    ApiName(_SB, "Req.beam_group", "field"),
+    ApiName(_SB, "Req.session", "field"),
+    ApiName("sglang.srt.session.session_controller", "Session.streaming", "field"),
     ApiName(_SB, "ReqKvInfo.req_pool_idx", "field"),
     ApiName(_SB, "ReqKvInfo.kv_committed_len", "field"),
     ApiName(_SB, "ReqKvInfo.kv_allocated_len", "field"),
@@ -139,8 +142,12 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm.is_none", "method", ("self",)),
     ApiName("sglang.srt.runtime_context", "get_memory", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_parallel", "function", ()),
+    ApiName("sglang.srt.runtime_context", "get_disagg", "function", ()),
     ApiName("sglang.srt.arg_groups.fields.memory", "Memory.enable_unified_memory", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.dcp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.pp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.attn_dp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.disagg", "Disagg.disaggregation_mode", "field"),
     # tensor parallelism
     ApiName("sglang.srt.distributed.parallel_state", "get_tp_group", "function", ()),
     ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.cpu_group", "field"),
@@ -202,6 +209,18 @@ def visibility_mask_mod(visible: torch.Tensor, group: int):
     return mask_mod
 
 
+def shared_kv_reason(req) -> str | None:
+    """Why a request's KV slots are not its own, or None. KVzap leaves such a request alone: compacting it
+    would corrupt the requests that read the same slots (beam search: every beam reads the prompt's slots;
+    a streaming session: the next turn reuses this cache by its logical length)."""
+    if getattr(req, "beam_group", None) is not None:
+        return "beam search shares the prompt's KV slots between beams"
+    session = getattr(req, "session", None)
+    if session is not None and getattr(session, "streaming", False):
+        return "a streaming session's next turn reuses this cache by its logical length"
+    return None
+
+
 @dataclass(frozen=True)
 class ServerSetup:
     """The SGLang settings KVzap depends on, read from the scheduler at the first step end.
@@ -211,6 +230,9 @@ class ServerSetup:
     radix cache), is freed one by one (page size 1), is addressed physically (no unified memory, no decode
     context parallelism), stores plain K/V (no quantized cache: its reads are dequantized copies and its
     scales would stay behind), and when the step end runs before the next batch is prepared (no overlap).
+    Both modes need every layer in this process (no pipeline parallelism), ranks that schedule the same
+    requests (no attention data parallelism) and a cache that stays on this server (no prefill/decode
+    disaggregation, whose transfers read logical lengths).
     """
 
     radix_cache: bool
@@ -220,6 +242,9 @@ class ServerSetup:
     mixed_chunk: bool
     unified_memory: bool
     dcp_size: int
+    pp_size: int
+    attn_dp_size: int
+    disaggregation: str
     kv_dtype: torch.dtype
     kv_quantized: bool
     kv_slots: int  # rows of every per-layer K/V buffer (pool size + padding page)
@@ -232,7 +257,9 @@ class ServerSetup:
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
                    mixed_chunk=bool(scheduler.is_mixed_chunk),
                    unified_memory=bool(context.get_memory().enable_unified_memory),
-                   dcp_size=int(context.get_parallel().dcp_size), kv_dtype=kv.dtype,
+                   dcp_size=int(context.get_parallel().dcp_size), pp_size=int(context.get_parallel().pp_size),
+                   attn_dp_size=int(context.get_parallel().attn_dp_size),
+                   disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
                    kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(kv.size + kv.page_size))
 
     def problems(self, mode: str) -> list[str]:
@@ -247,6 +274,12 @@ class ServerSetup:
             out.append("unified memory is on (drop --enable-unified-memory)")
         if self.dcp_size != 1:
             out.append(f"decode context parallelism is {self.dcp_size} (use --dcp-size 1)")
+        if self.pp_size != 1:
+            out.append(f"pipeline parallelism is {self.pp_size} (use --pp-size 1)")
+        if self.attn_dp_size != 1:
+            out.append(f"attention data parallelism is {self.attn_dp_size} (use --attn-dp-size 1)")
+        if self.disaggregation != "null":
+            out.append(f"prefill/decode disaggregation is on ({self.disaggregation}; drop --disaggregation-mode)")
         if mode == "mask" and self.mixed_chunk:
             out.append("mixed chunks run decode rows as dense extends, unmasked (drop --enable-mixed-chunk)")
         if mode == "evict":
@@ -271,6 +304,7 @@ class KVzapSGLang:
         self.slots = SlotScores(scorer.num_layers, scorer.num_kv_heads)
         self.states: dict[int, RequestState] = {}  # req_pool_idx -> state
         self.owners: dict[int, object] = {}  # req_pool_idx -> the Req its state belongs to
+        self.bypassed: dict[int, object] = {}  # req_pool_idx -> a Req KVzap leaves alone (told once)
         self.offsets: torch.Tensor | None = None  # int64 [max requests] evicted tokens per req_pool_idx
         self.setup: ServerSetup | None = None
         self._sized_for = None
@@ -307,6 +341,7 @@ class KVzapSGLang:
     # positions hook (evict mode) -------------------------------------------------------------------
     def shift_positions(self, forward_batch) -> None:
         """Logical RoPE positions: each request's evicted count is added to its tokens' positions."""
+        self.forget_finished()  # a row freed since the last step end may already hold a new request
         if self.offsets is None or forward_batch.positions is None or forward_batch.req_pool_indices is None:
             return
         off = self.offsets.to(forward_batch.positions.device)[forward_batch.req_pool_indices.to(torch.int64)]
@@ -338,6 +373,19 @@ class KVzapSGLang:
                 self.states.pop(idx, None)
                 if self.offsets is not None:
                     self.offsets[idx] = 0
+        for idx, req in list(self.bypassed.items()):
+            if req.finished() or req.kv.req_pool_idx != idx:
+                del self.bypassed[idx]
+
+    def _bypass(self, req, idx: int, reason: str) -> None:
+        """Leaves a request alone (its cache is never compacted, its positions never shifted); says so once."""
+        if self.bypassed.get(idx) is not req:
+            import logging
+
+            logging.getLogger(__name__).warning("KVzap leaves request %r alone: %s", getattr(req, "rid", idx), reason)
+            self.bypassed[idx] = req
+        if self.offsets is not None and idx < self.offsets.shape[0]:
+            self.offsets[idx] = 0
 
     def on_step_end(self, batch, chunked_req=None) -> None:
         """Feeds each request's new tokens to its state; evicts (evict mode) or updates masks (mask mode).
@@ -362,16 +410,18 @@ class KVzapSGLang:
             seq_len = int(batch.seq_lens_cpu[i])
             n = int(batch.extend_lens[i]) if extend else 1
             if extend and int(batch.prefix_lens[i]) == 0:
+                reason = shared_kv_reason(req)
+                if reason is not None:
+                    self._bypass(req, idx, reason)
+                    continue
                 self.states[idx] = RequestState(self.policy, self.scorer.num_layers, self.scorer.num_kv_heads,
                                                 device=self.slots.buffer.device)
                 self.owners[idx] = req
                 self._set_offset(idx, 0, req_to_token.shape[0])
             state = self.states.get(idx)
             if state is None:
-                if extend and self.mode == "evict":
-                    raise ConfigError(f"request {getattr(req, 'rid', idx)!r} extends a cache KVzap did not build (prefix "
-                                      f"{int(batch.prefix_lens[i])}): streaming sessions and other prefix reuse are not "
-                                      "supported in evict mode")
+                if extend:  # e.g. a streaming session's next turn: its cache was left alone, so it stays alone
+                    self._bypass(req, idx, f"it extends a cache KVzap did not build (prefix {int(batch.prefix_lens[i])})")
                 continue
             row = req_to_token[idx, :seq_len]
             scores = self.slots.read(row[seq_len - n:])

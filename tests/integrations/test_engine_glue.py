@@ -154,29 +154,57 @@ def test_sglang_finished_request_state_is_dropped_and_its_row_restarts(surrogate
     assert runtime.states[2].logical_length == 4 and runtime.owners[2] is world.req
 
 
-def test_sglang_prefix_reuse_is_refused_in_evict_mode(surrogate):
-    """A streaming-session continuation extends a row whose request finished: its physical layout is
-    not what SGLang believes (prefix = logical length), so evict mode stops with one line."""
-    from kvzap_export.errors import ConfigError
+@pytest.mark.parametrize("sharing", ["beam_search", "streaming_session"])
+def test_sglang_requests_sharing_kv_slots_are_left_alone(surrogate, sharing, caplog):
+    """Beams read the prompt's slots; a streaming session's next turn reuses the cache by its logical length.
+    Compacting either would corrupt another reader, so KVzap neither scores into a state nor evicts, and says
+    so once per request; the session's next turn (prefix > 0, no state) is left alone too."""
     from kvzap_export.integrations.sglang import KVzapSGLang
 
-    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(0.0, window=WINDOW), mode="evict")
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(1e9, window=WINDOW), mode="evict")  # τ evicts all it may
     world = FakeSGLang()
-    hidden = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(5))
-    world.forward(runtime, hidden, extend=True)
-    world.done = True
-    runtime.on_step_end(SimpleNamespace(forward_mode=mode(False), reqs=[]))
-    world.done = False  # the session's next request on the same row, its prefix the logical length
-    world.logical = world.seq_len  # (the state is gone: no position offset either)
-    with pytest.raises(ConfigError, match="streaming sessions"):
-        world.forward(runtime, hidden[:3], extend=True)
+    if sharing == "beam_search":
+        world.req.beam_group = SimpleNamespace(leader=world.req)
+    else:
+        world.req.session = SimpleNamespace(streaming=True)
+    free_before = len(world.free)
+    hidden = torch.randn(30, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING", logger="kvzap_export.integrations.sglang"):
+        world.forward(runtime, hidden[:20], extend=True)
+        world.forward(runtime, hidden[20:21], extend=False)
+        if sharing == "streaming_session":  # the turn ends; the next one extends the same row
+            world.done = True
+            runtime.on_step_end(SimpleNamespace(forward_mode=mode(False), reqs=[]))
+            world.done = False
+            world.forward(runtime, hidden[21:30], extend=True)
+    assert runtime.states == {} and world.seq_len == world.logical and len(world.free) == free_before - world.seq_len
+    assert torch.equal(world.held(0), torch.arange(world.seq_len).expand(KV_HEADS, -1))  # nothing moved
+    told = [r.getMessage() for r in caplog.records if "leaves request 'r0' alone" in r.getMessage()]
+    assert len(told) == (1 if sharing == "beam_search" else 2)
+
+
+def test_sglang_a_row_reused_by_a_decode_request_does_not_inherit_offsets(surrogate):
+    """A row freed after the last step end may hold a new request whose first forward is a decode (a beam
+    forked from its leader): the positions hook forgets the finished owner before shifting."""
+    from kvzap_export.integrations.sglang import KVzapSGLang
+
+    runtime = KVzapSGLang(BundleScorer(surrogate), KVzapPolicy(1e9, window=WINDOW), mode="evict")
+    world = FakeSGLang()
+    world.forward(runtime, torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(6)), extend=True)
+    assert int(runtime.offsets[2]) == 20 - WINDOW
+    world.done = True  # finished in process_batch_result, after the step-end hook
+    fb = SimpleNamespace(forward_mode=mode(False), positions=torch.tensor([9]), req_pool_indices=torch.tensor([2]),
+                         extend_seq_lens=None, extend_prefix_lens=None)
+    runtime.shift_positions(fb)
+    assert fb.positions.tolist() == [9] and runtime.states == {} and int(runtime.offsets[2]) == 0
 
 
 def good_setup(**changes):
     from kvzap_export.integrations.sglang import ServerSetup
 
     base = dict(radix_cache=False, overlap=False, page_size=1, speculative=False, mixed_chunk=False,
-                unified_memory=False, dcp_size=1, kv_dtype=torch.bfloat16, kv_quantized=False, kv_slots=4096)
+                unified_memory=False, dcp_size=1, pp_size=1, attn_dp_size=1, disaggregation="null",
+                kv_dtype=torch.bfloat16, kv_quantized=False, kv_slots=4096)
     return ServerSetup(**{**base, **changes})
 
 
@@ -186,6 +214,9 @@ def good_setup(**changes):
     ({"speculative": True}, ("evict", "mask"), "--speculative-algorithm"),
     ({"unified_memory": True}, ("evict", "mask"), "--enable-unified-memory"),
     ({"dcp_size": 2}, ("evict", "mask"), "--dcp-size 1"),
+    ({"pp_size": 2}, ("evict", "mask"), "--pp-size 1"),
+    ({"attn_dp_size": 4}, ("evict", "mask"), "--attn-dp-size 1"),
+    ({"disaggregation": "decode"}, ("evict", "mask"), "--disaggregation-mode"),
     ({"mixed_chunk": True}, ("mask",), "--enable-mixed-chunk"),
     ({"page_size": 16}, ("evict",), "--page-size 1"),
     ({"kv_dtype": torch.float8_e4m3fn}, ("evict",), "--kv-cache-dtype auto"),
@@ -216,7 +247,8 @@ def test_sglang_server_setup_read_from_the_scheduler(monkeypatch):
     from kvzap_export.integrations import sglang
 
     context = SimpleNamespace(get_memory=lambda: SimpleNamespace(enable_unified_memory=False),
-                              get_parallel=lambda: SimpleNamespace(dcp_size=1))
+                              get_parallel=lambda: SimpleNamespace(dcp_size=1, pp_size=1, attn_dp_size=1),
+                              get_disagg=lambda: SimpleNamespace(disaggregation_mode="null"))
     monkeypatch.setattr(sglang, "_sglang", lambda module: context)
     kv = SimpleNamespace(dtype=torch.float16, is_quantized_kv_cache=False, size=1000, page_size=1)
     scheduler = SimpleNamespace(tree_cache=SimpleNamespace(disable=True), enable_overlap=False, page_size=1,
