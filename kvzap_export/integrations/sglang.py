@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzap_export.errors import ConfigError, InputError, KvzapError
+from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations._lazy import import_engine
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores
+from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states
 
 SGLANG_VERSION = "0.5.23"
 INSTALL = f"pip install sglang=={SGLANG_VERSION} (on a CUDA machine); KVzap's SGLang glue targets that version"
@@ -321,9 +321,7 @@ class KVzapSGLang:
     # scoring hook ------------------------------------------------------------------------------
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
         """Scores the forward's new tokens and writes them at their KV slots."""
-        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
-            raise InputError("KVzap needs the attention input as a float tensor; quantized attention inputs "
-                             "(fused input quantization) are not supported")
+        check_hidden_states(hidden_states, f"layer {layer}")
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError("KVzap's hooks run in Python and cannot be captured in a CUDA graph; launch with "
                               "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")

@@ -53,7 +53,8 @@ Registering KVzap for your model (compression framework):
     from kvzap_export.integrations import trtllm as kvzap_trtllm
     kvzap_trtllm.install("bundle/")   # manager factory + LLM args accept algorithm "kvzap"
     llm = LLM(model=..., kv_cache_config=KvCacheConfig(enable_block_reuse=False, use_kv_cache_manager_v2=True),
-              kv_cache_compression_config=kvzap_trtllm.compression_config(), cuda_graph_config=None)
+              kv_cache_compression_config=kvzap_trtllm.compression_config(), cuda_graph_config=None,
+              disable_overlap_scheduler=True)
     kvzap_trtllm.attach_scorer(<the model's torch module>, kvzap_trtllm.scorer())   # or use kvzap_attention()
 
 A custom model registered with ``@register_auto_model("MyArch")`` either builds its layers' attention
@@ -65,13 +66,15 @@ See docs/integrations.md for the 1.2.x variant and the flags.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from kvzap_export.errors import ConfigError, InputError, MissingDependencyError
 from kvzap_export.integrations._lazy import import_engine
 from kvzap_export.integrations.core import (
-    BundleScorer, KVzapPolicy, RequestState, StepScores, budget_selection, context_budget, sparse_layout,
+    BundleScorer, KVzapPolicy, RequestState, StepScores, budget_selection, check_hidden_states, context_budget,
+    sparse_layout,
 )
 
 TRTLLM_SPARSE_VERSION = "1.2.1"
@@ -87,24 +90,64 @@ def _trtllm(module: str):
 
 # ---- scoring (engine-free) -------------------------------------------------------------------------
 
+class ForwardLayout(NamedTuple):
+    """How one forward packed its tokens, from TensorRT-LLM's ``AttentionMetadata``: per sequence, its
+    request id (``request_ids``) and query tokens (``seq_lens``); the first ``num_contexts`` are context chunks.
+
+    Read during the forward because the requests' own chunk sizes are not: the executor moves each context
+    request to its next chunk (``context_chunk_size`` becomes 0) before the resource managers' update.
+    """
+
+    request_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    num_contexts: int
+
+    @classmethod
+    def of(cls, attn_metadata) -> "ForwardLayout":
+        ids, seq_lens = getattr(attn_metadata, "request_ids", None), getattr(attn_metadata, "seq_lens", None)
+        if ids is None or seq_lens is None:
+            raise ConfigError("the attention metadata carries no request_ids / seq_lens; KVzap needs them to split a "
+                              "forward's scores per request (TensorRT-LLM's PyTorch backend sets both)")
+        tokens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+        return cls(tuple(int(i) for i in ids), tuple(int(n) for n in tokens), int(attn_metadata.num_contexts))
+
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """request id -> (first token, tokens) in the forward's packed order."""
+        out, start = {}, 0
+        for rid, n in zip(self.request_ids, self.tokens):
+            out[rid] = (start, n)
+            start += n
+        return out
+
+
 class KVzapScorer:
-    """The bundle's surrogate plus the per-layer side buffer of the current forward's scores."""
+    """The bundle's surrogate plus the per-layer side buffer of the current forward's scores and its layout."""
 
     def __init__(self, scorer: BundleScorer):
         self.scorer = scorer
         self.buffer = StepScores(scorer.num_layers)
+        self.layout: ForwardLayout | None = None
 
     @classmethod
     def from_bundle(cls, bundle, tp_size: int = 1, tp_rank: int = 0) -> "KVzapScorer":
         return cls(BundleScorer.from_bundle(bundle, tp_size, tp_rank))
 
-    def record(self, layer: int, hidden_states: torch.Tensor) -> None:
-        """hidden_states: [num_tokens, hidden] (the forward's packed tokens: context chunks, then generation)."""
-        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
-            kind = type(hidden_states).__name__ if not isinstance(hidden_states, torch.Tensor) else str(hidden_states.dtype)
-            raise ConfigError(f"layer {layer}: the attention input is {kind}, not a float tensor; KVzap scores the "
-                              "unquantized hidden states (turn off quantized attention input, e.g. NVFP4)")
+    def record(self, layer: int, hidden_states: torch.Tensor, attn_metadata=None) -> None:
+        """hidden_states: [num_tokens, hidden], the forward's packed tokens; attn_metadata: the forward's
+        ``AttentionMetadata`` (its layout is read once per forward)."""
+        check_hidden_states(hidden_states, f"layer {layer}")
+        if attn_metadata is not None:
+            if getattr(attn_metadata, "is_cuda_graph", False):
+                raise ConfigError("KVzap's hooks run in Python and a CUDA graph replay skips them; build the LLM with "
+                                  "cuda_graph_config=None")
+            if self.layout is None:
+                self.layout = ForwardLayout.of(attn_metadata)
         self.buffer.write(layer, self.scorer.score(layer, hidden_states.reshape(-1, hidden_states.shape[-1])))
+
+    def take(self) -> tuple[list[torch.Tensor], ForwardLayout | None]:
+        """The forward's per-layer scores [num_tokens, H] and its layout; the buffer starts empty again."""
+        layout, self.layout = self.layout, None
+        return self.buffer.take(), layout
 
 
 def attach_scorer(modules, scorer: KVzapScorer) -> list:
@@ -123,7 +166,8 @@ def attach_scorer(modules, scorer: KVzapScorer) -> list:
     for layer, module in modules:
         def hook(mod, args, kwargs, layer=layer):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
-            scorer.record(layer, hidden)
+            metadata = kwargs["attn_metadata"] if "attn_metadata" in kwargs else args[2] if len(args) > 2 else None
+            scorer.record(layer, hidden, metadata)
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     if not handles:
@@ -156,7 +200,7 @@ def kvzap_attention(base: type, scorer_fn=None) -> type:
     class KVzapAttention(base):
         def forward(self, position_ids, hidden_states, attn_metadata, *args, **kwargs):
             _refuse_fused_rope(self.layer_idx, self)
-            get().record(self.layer_idx, hidden_states)
+            get().record(self.layer_idx, hidden_states, attn_metadata)
             return super().forward(position_ids, hidden_states, attn_metadata, *args, **kwargs)
 
     KVzapAttention.__name__ = KVzapAttention.__qualname__ = f"KVzap{base.__name__}"
@@ -182,20 +226,37 @@ def move_paged_kv(pool: torch.Tensor, pages: torch.Tensor, indices: torch.Tensor
     pool[pages[dst // tpb], :, heads, dst % tpb, :] = values
 
 
-def reserved_tail(manager, ahead: bool) -> int:
-    """Tokens a resize must keep past the kept entries: the manager's extra KV tokens, plus the slot (and draft
-    slots) already reserved for the next step when the request is in the batch prepared ahead of this one
-    (overlap scheduler). Attribute names of ``KVCacheManagerV2`` at af8c3bfa; absent ones count 0."""
-    tail = int(getattr(manager, "num_extra_kv_tokens", 0) or 0)
-    if ahead:
-        tail += 1 + int(getattr(manager, "_kv_reserve_draft_tokens", 0) or 0)
-    return tail
+def reserved_tail(manager) -> int:
+    """Tokens a resize must keep past the kept entries: the manager's extra KV tokens (``num_extra_kv_tokens``
+    of ``KVCacheManagerV2`` at af8c3bfa; 0 when absent). The overlap scheduler, which would also reserve the
+    next step's slots, is refused (``KVzapCompressionManager``)."""
+    return int(getattr(manager, "num_extra_kv_tokens", 0) or 0)
 
 
-def cache_pages(manager, request_id: int, layer: int) -> torch.Tensor:
-    """The request's page ids for one (global) layer, in order, without the -1 padding entries."""
-    pages = [int(p) for p in manager.get_batch_cache_indices([request_id], layer)[0]]
-    return torch.tensor([p for p in pages if p >= 0], dtype=torch.int64)
+def cache_pages(manager, request_id: int, layer: int, tokens: int, tokens_per_block: int) -> torch.Tensor:
+    """The request's page ids for one (global) layer, one per block of its capacity, in order.
+
+    ``get_batch_cache_indices`` marks a block whose page was dropped (sliding-window layers) with -1, in place:
+    the position of every later page depends on it. A -1 among the blocks holding the first ``tokens`` tokens
+    is refused: KVzap moves entries across the whole sequence, which needs every page of full attention.
+    """
+    pages = torch.tensor([int(p) for p in manager.get_batch_cache_indices([request_id], layer)[0]], dtype=torch.int64)
+    needed = -(-tokens // tokens_per_block)
+    if needed > pages.numel() or bool((pages[:needed] < 0).any()):
+        raise ConfigError(f"layer {layer} of request {request_id} has dropped or missing pages among its first {tokens} "
+                          "tokens (a sliding-window layer?); KVzap supports full-attention layers only")
+    return pages
+
+
+def compaction_capacity(count: int, tail: int, history_length: int) -> int:
+    """The capacity a request's cache can shrink to after keeping ``count`` entries.
+
+    ``KVCacheManagerV2`` never lowers a cache's history length (the prompt, once its last chunk ran; generation
+    steps pass no history while a compression manager owns it), and a capacity below it is an error. So the
+    pages of evicted *prompt* entries stay allocated until the request ends; what eviction saves there is
+    attention work and reads. Decoding past the prompt is where pages are given back.
+    """
+    return max(count + tail, history_length)
 
 
 def accept_config(models, config_cls: type, field: str = "kv_cache_compression_config") -> list[type]:
@@ -223,6 +284,49 @@ def accept_config(models, config_cls: type, field: str = "kv_cache_compression_c
     return changed
 
 
+def check_pool(pool: torch.Tensor, kv_heads: int, layer: int) -> None:
+    """A pool KVzap can move entries of: K/V in elements of their own (no packed NVFP4 bytes, whose block scales
+    live elsewhere) and this rank's KV heads (``install(mapping=...)`` slices the surrogate the same way)."""
+    if pool.dtype in (torch.int8, torch.uint8):
+        raise ConfigError(f"layer {layer}: the KV cache is packed ({pool.dtype}, e.g. NVFP4) and its block scales would "
+                          "stay behind; use an FP16/BF16/FP8 KV cache with KVzap")
+    if pool.shape[2] != kv_heads:
+        raise ConfigError(f"layer {layer}: the KV pool holds {pool.shape[2]} heads, KVzap's surrogate slice {kv_heads}; "
+                          "pass this rank's mapping to install()")
+
+
+def check_whole_prompts(seq_lens, prompt_lens, cached) -> None:
+    """1.2.x: the budget comes from the prompt length, so each context request must feed its whole prompt in
+    one forward, with nothing cached before it (no chunked context, no block reuse)."""
+    for i, (fed, prompt, done) in enumerate(zip(seq_lens, prompt_lens, cached)):
+        if int(fed) != int(prompt) or int(done) != 0:
+            raise ConfigError(f"context request {i} feeds {int(fed)} of its {int(prompt)} prompt tokens with {int(done)} "
+                              "cached; KVzap's 1.2.x variant needs whole prompts: turn off chunked context "
+                              "(enable_chunked_prefill=False) and block reuse (KvCacheConfig(enable_block_reuse=False))")
+
+
+def no_reuse_manager_class(base: type) -> type:
+    """``base`` (the stock ``KVCacheManager``) refusing block reuse at construction, as RocketKV's manager does:
+    compacted blocks no longer hold the tokens they would be reused for."""
+
+    class KVzapKVCacheManager(base):
+        def __init__(self, kv_cache_config, *args, **kwargs):
+            if getattr(kv_cache_config, "enable_block_reuse", False):
+                raise ConfigError("KVzap's 1.2.x variant needs block reuse off: KvCacheConfig(enable_block_reuse=False)")
+            super().__init__(kv_cache_config, *args, **kwargs)
+
+    return KVzapKVCacheManager
+
+
+def skip_request(request) -> bool:
+    """Requests whose tokens are in the forward but which KVzap does not touch: TensorRT-LLM's dummy padding
+    requests, and requests already complete (their cache is released next) — as TriAttention skips them."""
+    if getattr(request, "is_dummy", False):
+        return True
+    state = getattr(request, "state", None)
+    return getattr(state, "name", None) == "GENERATION_COMPLETE"
+
+
 def clamp_prompt_lens(prompt_lens: list[int], num_contexts: int, budget_of) -> list[int]:
     """Generation requests' prompt lengths as the attention kernel must see them after context compaction:
     ``min(prompt, budget_of(prompt))``; context requests unchanged."""
@@ -235,15 +339,17 @@ class KVzapCompression:
     """Step-end decisions and moves for the compression framework, independent of TensorRT-LLM classes.
 
     ``step_end(context, last_chunk, generation)`` reads the forward's scores from the side buffer, splits
-    them per request (context chunk tokens first, in scheduled order, then one token per generation
-    request), runs each request's ``RequestState`` and applies the uniform decision with ``mover``:
+    them per request by the forward's own layout (``ForwardLayout``: request ids and token counts from the
+    attention metadata), runs each request's ``RequestState`` and applies the uniform decision with ``mover``:
     ``mover(request, decision)`` moves K/V (every layer) and releases the tail; afterwards
     ``request.py_num_compressed_tokens = logical - physical`` (positions stay logical). ``agree`` maps the
     local counts of the step's requests to the counts every rank uses (all_reduce MAX), or None.
     Context chunks before the last are appended without compaction (decisions equal a one-shot prefill).
     ``skip(request)``: the request's tokens are in the forward but it has no KVzap state (TensorRT-LLM's
-    dummy padding requests); ``hold(request)``: decide, but keep every physical entry this step (the engine
-    cannot move this request's K/V now, e.g. an inactive cache): the rule's set is still tracked.
+    dummy padding requests, requests that finished this step); ``hold(request)``: decide, but keep every
+    physical entry this step (the engine cannot move this request's K/V now, e.g. an inactive cache): the
+    rule's set is still tracked. A generation request KVzap never saw a prompt of (its cache was built
+    elsewhere) is left alone, with one warning.
     """
 
     def __init__(self, scorer: KVzapScorer, policy: KVzapPolicy, mover=None, agree=None, skip=None, hold=None):
@@ -252,6 +358,7 @@ class KVzapCompression:
         self.scorer, self.policy, self.mover, self.agree = scorer, policy, mover, agree
         self.skip, self.hold = skip, hold
         self.states: dict[int, RequestState] = {}
+        self.strangers: set[int] = set()  # generation requests without a KVzap state, told once
 
     def request_init(self, request) -> None:
         s = self.scorer.scorer
@@ -259,28 +366,40 @@ class KVzapCompression:
 
     def request_finish(self, request) -> None:
         self.states.pop(request.py_request_id, None)
+        self.strangers.discard(request.py_request_id)
 
     def step_end(self, context: Iterable, last_chunk: Iterable, generation: Iterable) -> dict[int, object]:
         context, generation = list(context), list(generation)
         if not context and not generation:
             return {}
         finishing = {r.py_request_id for r in last_chunk}
-        layers = self.scorer.buffer.take()
-        sizes = [int(r.context_chunk_size) for r in context] + [1] * len(generation)
-        if sum(sizes) > layers[0].shape[0]:
-            raise InputError(f"the step fed {layers[0].shape[0]} scored tokens, the schedule implies {sum(sizes)}")
-        pending, start = [], 0
-        for i, (request, n) in enumerate(zip(context + generation, sizes)):
-            scores = torch.stack([layer[start: start + n].T for layer in layers])  # [L, H, n]
-            start += n
+        layers, layout = self.scorer.take()
+        if layout is None:
+            raise InputError("the forward's layout was not recorded: attach the scorer with attach_scorer() or "
+                             "kvzap_attention(), whose hooks read the attention metadata")
+        spans = layout.spans()
+        if sum(layout.tokens) > layers[0].shape[0]:
+            raise InputError(f"the step scored {layers[0].shape[0]} tokens, its attention metadata lists {sum(layout.tokens)}")
+        pending = []
+        for i, request in enumerate(context + generation):
             if self.skip is not None and self.skip(request):
                 continue
-            state = self.states.get(request.py_request_id)
+            rid, is_context = request.py_request_id, i < len(context)
+            if rid not in spans:
+                raise InputError(f"request {rid} was scheduled but is not in the forward's attention metadata")
+            start, n = spans[rid]
+            if not is_context and n != 1:
+                raise ConfigError(f"generation request {rid} fed {n} tokens in one step; KVzap handles one "
+                                  "(speculative decoding is not supported)")
+            state = self.states.get(rid)
+            if state is None and not is_context:
+                self._stranger(rid)
+                continue
             if state is None:
                 self.request_init(request)
-                state = self.states[request.py_request_id]
-            is_context = i < len(context)
-            if is_context and request.py_request_id not in finishing:
+                state = self.states[rid]
+            scores = torch.stack([layer[start: start + n].T for layer in layers])  # [L, H, n]
+            if is_context and rid not in finishing:
                 state.append(scores)
                 continue
             pending.append((request, state, state.feed(scores, prefill=is_context, last=True)))
@@ -297,6 +416,14 @@ class KVzapCompression:
             request.py_num_compressed_tokens = state.num_compressed_tokens
             decisions[request.py_request_id] = decision
         return decisions
+
+    def _stranger(self, rid: int) -> None:
+        if rid not in self.strangers:
+            import logging
+
+            self.strangers.add(rid)
+            logging.getLogger(__name__).warning("KVzap leaves request %s alone: its prompt was not scored here (a "
+                                                "cache built elsewhere, e.g. disaggregated serving)", rid)
 
 
 # ---- 1.2.x sparse_kv_predict (engine-free) -------------------------------------------------------------
@@ -423,11 +550,10 @@ def compression_manager_class() -> type:
 
         def __init__(self, config, policy: KVzapPolicy):
             super().__init__(config)  # the KV cache managers are bound later (bind_kv_cache_managers)
-            self._ahead: frozenset = frozenset()
             self._prepared = None
             self.kvzap = KVzapCompression(scorer(), policy, mover=self._move,
                                           agree=_world_max if _STATE.get("world", 1) > 1 else None,
-                                          skip=lambda r: bool(getattr(r, "is_dummy", False)), hold=self._inactive)
+                                          skip=skip_request, hold=self._inactive)
 
         def on_request_init(self, request, **kwargs):
             self.kvzap.request_init(request)
@@ -436,9 +562,11 @@ def compression_manager_class() -> type:
             self._prepared = scheduled_batch  # under the overlap scheduler: the batch after the one ending next
 
         def on_generation_step_end(self, scheduled_batch, **kwargs):
-            ahead = self._prepared if self._prepared is not scheduled_batch else None
-            self._ahead = frozenset(r.py_request_id for r in (list(ahead.context_requests) + list(ahead.generation_requests))) \
-                if ahead is not None else frozenset()
+            if self._prepared is not None and self._prepared is not scheduled_batch:
+                # prepare_resources (-> step begin) runs for every batch before its forward, update_resources
+                # (-> step end) after it: another batch begun in between is the overlap scheduler's.
+                raise ConfigError("KVzap needs the overlap scheduler off (the next forward would write K/V and "
+                                  "scores while this step compacts): build the LLM with disable_overlap_scheduler=True")
             self.kvzap.step_end(scheduled_batch.context_requests, scheduled_batch.context_requests_last_chunk,
                                 scheduled_batch.generation_requests)
 
@@ -458,12 +586,26 @@ def compression_manager_class() -> type:
         def _move(self, request, decision) -> None:
             manager = self._manager()
             rid = request.py_request_id
-            for layer in getattr(manager, "pp_layers", range(decision.indices.shape[0])):  # global layer ids
+            cache = manager.kv_cache_map[rid]
+            # Everything that can refuse is checked before the first byte moves.
+            capacity = compaction_capacity(decision.uniform_count, reserved_tail(manager), int(cache.history_length))
+            before = int(decision.physical_before.max())
+            layers = list(getattr(manager, "pp_layers", range(decision.indices.shape[0])))  # global layer ids
+            moves = []
+            for layer in layers:
                 pool = manager.get_buffers(layer, kv_layout="HND")
-                move_paged_kv(pool, cache_pages(manager, rid, layer), decision.indices[layer])
-            # Release the tail pages; the compacted length is published through py_num_compressed_tokens.
-            capacity = decision.uniform_count + reserved_tail(manager, rid in self._ahead)
-            if not manager.kv_cache_map[rid].resize(capacity, None):
+                check_pool(pool, decision.indices.shape[1], layer)
+                moves.append((pool, cache_pages(manager, rid, layer, before, pool.shape[3]), decision.indices[layer]))
+            for pool, pages, indices in moves:
+                move_paged_kv(pool, pages, indices)
+            # The cache manager releases pages on its own stream: it must not overtake the moves.
+            stream = getattr(manager, "_stream", None)
+            if stream is not None and stream != torch.cuda.current_stream():
+                done = torch.cuda.Event()
+                done.record()
+                stream.wait_event(done)
+            # The compacted length is published through py_num_compressed_tokens (set by the caller).
+            if capacity < int(cache.capacity) and not cache.resize(capacity, None):
                 raise RuntimeError(f"request {rid}: TensorRT-LLM refused to resize its KV cache to {capacity} tokens")
 
     return KVzapCompressionManager
@@ -523,6 +665,9 @@ def sparse_attention_class(keep_fraction: float, policy: KVzapPolicy) -> type:
 
     class KVzapTrtllmAttentionMetadata(trtllm.TrtllmAttentionMetadata):
         def prepare(self):
+            if self.kv_cache_manager is not None:
+                check_whole_prompts(self.seq_lens[: self.num_contexts].tolist(), self.prompt_lens[: self.num_contexts],
+                                    self.kv_cache_params.num_cached_tokens_per_seq[: self.num_contexts])
             # Generation requests attend to the budget, not the prompt (positions stay logical).
             if self.kv_cache_manager is not None:
                 for i in range(self.num_contexts, self.num_contexts + self.num_generations):
@@ -573,12 +718,13 @@ def install_sparse_kv(bundle, keep_fraction: float, mapping=None, **policy) -> t
     _STATE["scorer"] = KVzapScorer.from_bundle(bundle, tp_size, tp_rank)
     pol = KVzapPolicy.from_manifest(read_manifest(bundle), decoding=False, layout="uniform", **policy)
     cls = sparse_attention_class(keep_fraction, pol)
-    stock_manager = _trtllm("tensorrt_llm._torch.pyexecutor.resource_manager").KVCacheManager
+    stock_manager = no_reuse_manager_class(_trtllm("tensorrt_llm._torch.pyexecutor.resource_manager").KVCacheManager)
     for module in ("tensorrt_llm._torch.attention_backend.sparse.utils", "tensorrt_llm._torch.attention_backend.utils"):
         target = _trtllm(module)
         if hasattr(target, "get_trtllm_sparse_attn_attention_backend"):
             target.get_trtllm_sparse_attn_attention_backend = lambda *args, **kwargs: cls
-    # The RocketKV config only switches the sparse path on: keep the stock KV cache manager (no KT cache).
+    # The RocketKV config only switches the sparse path on: the stock KV cache manager (no KT cache), with the
+    # block-reuse refusal RocketKV's manager makes at construction.
     for module in ("tensorrt_llm._torch.attention_backend.sparse.utils", "tensorrt_llm._torch.pyexecutor._util"):
         target = _trtllm(module)
         if hasattr(target, "get_sparse_attn_kv_cache_manager"):
