@@ -36,6 +36,11 @@ determinable, and nothing here has run inside TensorRT-LLM (see docs/integration
   ``prompt_lens_cuda`` for generation requests), ``tensorrt_llm/_torch/attention_backend/utils.py`` @
   ``7924c7f1d3b4a3286b62c13fc890900295dc39cb`` (binds ``get_trtllm_sparse_attn_attention_backend`` at import),
   ``tensorrt_llm/_torch/pyexecutor/_util.py`` (binds ``get_sparse_attn_kv_cache_manager`` at import).
+- Also read for the compaction step: ``tensorrt_llm/runtime/kv_cache_manager_v2/_core/_kv_cache.py`` @
+  ``00f6bd61f297eaefd98fcabd562d3a8e3df12a96`` (``resize(capacity, history_length)``: the history never
+  decreases and bounds the capacity from below; ``capacity`` / ``history_length`` properties) and
+  ``tensorrt_llm/_torch/attention_backend/interface.py`` @ ``000a01de66f0eab4ab05640711f0253f50f5209c``
+  (``AttentionMetadata.request_ids`` / ``seq_lens`` / ``num_contexts`` / ``is_cuda_graph``).
 - Both: ``tensorrt_llm/_torch/modules/attention.py`` @ 43c2efcd (``Attention.forward(position_ids,
   hidden_states, attn_metadata, ...)``: ``hidden_states`` never reaches the backend, so KVzap scores it in a
   pre-hook into a per-layer side buffer) and ``tensorrt_llm/_torch/models/modeling_utils.py``
