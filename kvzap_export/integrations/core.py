@@ -362,14 +362,14 @@ def tp_head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int,
 
 # ---- scoring ---------------------------------------------------------------------------------------
 
-SCORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+UNQUANTIZED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_hidden_states(hidden_states, where: str) -> None:
     """KVzap scores the unquantized attention input; a quantized one (FP8 / NVFP4 input quantization fused
     into the norm) is refused in one line. ``is_floating_point()`` alone would let float8 through."""
     kind = str(hidden_states.dtype) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dtype not in SCORED_DTYPES:
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dtype not in UNQUANTIZED_DTYPES:
         raise ConfigError(f"{where}: the attention input is {kind}, not float16/bfloat16/float32; KVzap scores the "
                           "unquantized hidden states (turn off quantized attention input, e.g. FP8 or NVFP4)")
 

@@ -36,6 +36,7 @@ checks each against the real ``sglang==0.5.23`` source (downloaded, parsed with 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -43,7 +44,11 @@ import torch
 
 from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations._lazy import import_engine
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states
+from kvzap_export.integrations.core import (
+    UNQUANTIZED_DTYPES, BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states,
+)
+
+log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 INSTALL = f"pip install sglang=={SGLANG_VERSION} (on a CUDA machine); KVzap's SGLang glue targets that version"
@@ -252,13 +257,13 @@ class ServerSetup:
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
         context = _sglang("sglang.srt.runtime_context")
+        parallel = context.get_parallel()
         kv = scheduler.token_to_kv_pool_allocator.get_kvcache()
         return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
                    mixed_chunk=bool(scheduler.is_mixed_chunk),
-                   unified_memory=bool(context.get_memory().enable_unified_memory),
-                   dcp_size=int(context.get_parallel().dcp_size), pp_size=int(context.get_parallel().pp_size),
-                   attn_dp_size=int(context.get_parallel().attn_dp_size),
+                   unified_memory=bool(context.get_memory().enable_unified_memory), dcp_size=int(parallel.dcp_size),
+                   pp_size=int(parallel.pp_size), attn_dp_size=int(parallel.attn_dp_size),
                    disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
                    kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(kv.size + kv.page_size))
 
@@ -285,7 +290,7 @@ class ServerSetup:
         if mode == "evict":
             if self.page_size != 1:
                 out.append(f"the page size is {self.page_size} (use --page-size 1: slots are freed one by one)")
-            if self.kv_quantized or self.kv_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES:
                 out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto, or KVZAP_MODE=mask)")
         return out
 
@@ -303,8 +308,8 @@ class KVzapSGLang:
         self.scorer, self.policy, self.mode, self.tp_group = scorer, policy, mode, tp_group
         self.slots = SlotScores(scorer.num_layers, scorer.num_kv_heads)
         self.states: dict[int, RequestState] = {}  # req_pool_idx -> state
-        self.owners: dict[int, object] = {}  # req_pool_idx -> the Req its state belongs to
-        self.bypassed: dict[int, object] = {}  # req_pool_idx -> a Req KVzap leaves alone (told once)
+        # req_pool_idx -> the Req on that row KVzap knows: tracked when the row has a state, else left alone
+        self.owners: dict[int, object] = {}
         self.offsets: torch.Tensor | None = None  # int64 [max requests] evicted tokens per req_pool_idx
         self.setup: ServerSetup | None = None
         self._sized_for = None
@@ -371,17 +376,12 @@ class KVzapSGLang:
                 self.states.pop(idx, None)
                 if self.offsets is not None:
                     self.offsets[idx] = 0
-        for idx, req in list(self.bypassed.items()):
-            if req.finished() or req.kv.req_pool_idx != idx:
-                del self.bypassed[idx]
 
     def _bypass(self, req, idx: int, reason: str) -> None:
         """Leaves a request alone (its cache is never compacted, its positions never shifted); says so once."""
-        if self.bypassed.get(idx) is not req:
-            import logging
-
-            logging.getLogger(__name__).warning("KVzap leaves request %r alone: %s", getattr(req, "rid", idx), reason)
-            self.bypassed[idx] = req
+        if self.owners.get(idx) is not req:
+            log.warning("KVzap leaves request %r alone: %s", getattr(req, "rid", idx), reason)
+            self.owners[idx] = req
         if self.offsets is not None and idx < self.offsets.shape[0]:
             self.offsets[idx] = 0
 
@@ -594,17 +594,16 @@ def load_plugin() -> None:
     SGLang logs and ignores an exception raised by a plugin, which would leave a server running without
     the KVzap its operator asked for; a wrong setting therefore exits the process with one line instead.
     """
-    import logging
-
     bundle = os.environ.get("KVZAP_BUNDLE")
     if not bundle:
-        logging.getLogger(__name__).info("kvzap-export's SGLang plugin: KVZAP_BUNDLE is not set, KVzap is off")
+        log.info("kvzap-export's SGLang plugin: KVZAP_BUNDLE is not set, KVzap is off")
         return
+    mode = os.environ.get("KVZAP_MODE", "evict")
     decoding = os.environ.get("KVZAP_DECODING", "1").strip().lower()
     try:
         if decoding not in ("1", "0", "true", "false"):
             raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
-        install(bundle, os.environ.get("KVZAP_MODE", "evict"), decoding in ("1", "true"))
+        install(bundle, mode, decoding in ("1", "true"))
     except KvzapError as exc:
         raise SystemExit(f"kvzap-export: {exc}") from None
-    logging.getLogger(__name__).info("KVzap on: bundle %s, mode %s", bundle, os.environ.get("KVZAP_MODE", "evict"))
+    log.info("KVzap on: bundle %s, mode %s", bundle, mode)

@@ -70,6 +70,7 @@ See docs/integrations.md for the 1.2.x variant and the flags.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -81,6 +82,8 @@ from kvzap_export.integrations.core import (
     BundleScorer, KVzapPolicy, RequestState, StepScores, budget_selection, check_hidden_states, context_budget,
     sparse_layout,
 )
+
+log = logging.getLogger(__name__)
 
 TRTLLM_SPARSE_VERSION = "1.2.1"
 TRTLLM_COMPRESSION_TARGET = "main after v1.2.1 (KV-cache compression framework)"
@@ -424,11 +427,9 @@ class KVzapCompression:
 
     def _stranger(self, rid: int) -> None:
         if rid not in self.strangers:
-            import logging
-
             self.strangers.add(rid)
-            logging.getLogger(__name__).warning("KVzap leaves request %s alone: its prompt was not scored here (a "
-                                                "cache built elsewhere, e.g. disaggregated serving)", rid)
+            log.warning("KVzap leaves request %s alone: its prompt was not scored here (a cache built "
+                        "elsewhere, e.g. disaggregated serving)", rid)
 
 
 # ---- 1.2.x sparse_kv_predict (engine-free) -------------------------------------------------------------
