@@ -147,22 +147,11 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
     return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held)
 
 
-def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int):
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False):
     """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy."""
-    from kvpress import DMSPress, KVzapPress
-    from kvpress.presses.kvzap_press import KVzapModel
+    from kvzap_export.validate.reference import generate_kvpress as run
 
-    scorer = KVzapPress(model_type=manifest["surrogate"]["variant"])
-    scorer.kvzap_model = KVzapModel.from_pretrained(str(bundle / manifest["surrogate"].get("path", "surrogate")))
-    scorer.kvzap_model_name = f"nvidia/KVzap-{scorer.model_type}-{llm.config.name_or_path.split('/')[-1]}"
-    pruning = manifest["pruning"]
-    press = DMSPress(press=scorer, threshold=pruning["threshold"], sliding_window_size=pruning["window"], decoding=False)
-    with press(llm), torch.no_grad():
-        out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, return_dict_in_generate=True, output_logits=True)
-    for layer in llm.model.layers:
-        layer.self_attn.masked_key_indices = None
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+    return run(llm, ids, bundle, manifest, new_tokens, decoding)
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
@@ -176,15 +165,21 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     """Compares greedy continuations and logits, and reports the KV bytes each layout holds."""
     from kvzap_export.llm import load_llm
     from kvzap_export.ops import memory_report
+    from kvzap_export.validate import reference as ref
 
     if manifest["dtype"] != "float32":
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
                                                f"this bundle is {manifest['dtype']}"}
     llm, tokenizer = load_llm(model, dtype="float32")
     per_prompt, worst_logits, all_counts, lengths, measured = [], 0.0, [], [], 0
-    for ids in held_out_prompts(tokenizer, prompts, prompt_tokens):
+    # The bundle carries kvpress's greedy tokens (prefill-only and decoding=True) for engines to compare with.
+    reference = ref.new_reference(manifest, model, "float32", new_tokens)
+    for number, ids in enumerate(held_out_prompts(tokenizer, prompts, prompt_tokens)):
         ours, our_logits, counts, prompt_len, held = generate_compacted(llm, ids, bundle, manifest, new_tokens)
         theirs, their_logits = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
+        decoding_tokens, _ = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True)
+        ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
+                       {False: theirs, True: decoding_tokens})
         same = bool(torch.equal(ours, theirs))
         # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
         steps = new_tokens if same else int((ours != theirs).int().argmax()) + 1
@@ -209,11 +204,12 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     # What the compacted cache really held (its tensors' bytes) must be the ragged layout's count.
     bytes_ok = measured == layouts["ragged"]["bytes"] <= layouts["full"]["bytes"] * (1.0 - pruned) + 1 and pruned > 0
     passed = identical and worst_logits <= logits_atol and bytes_ok
+    ref.write_reference(bundle, reference)
     return {"status": "passed" if passed else "failed", "mode": "prefill compaction (kvpress decoding=False)",
             "prompts": per_prompt, "new_tokens": new_tokens, "identical_continuations": sum(p["identical_tokens"] for p in per_prompt),
             "max_logits_diff": worst_logits, "logits_atol": logits_atol, "pruned_fraction": pruned,
             "kv_cache_layouts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
-            "measured_held_bytes": measured,
+            "measured_held_bytes": measured, "reference": str(ref.PATH),
             "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
                        f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%}; KV bytes held (measured) "
                        f"{measured / layouts['full']['bytes']:.1%} of full; layouts: ragged "
