@@ -1,0 +1,36 @@
+"""``validate --engine``: runs the engine level, writes its report, prints the table or the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json) -> None:
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.errors import KvzapError
+    from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
+
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    show = not (quiet or as_json)
+
+    def on_line(text: str) -> None:
+        if show:
+            click.echo(f"  {engine} ({mode}): {text}", err=True)
+
+    if show:
+        click.echo(f"engine level: starting {engine} ({mode} mode) with the kvzap plugin; this takes a minute", err=True)
+    result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line)
+    report = write_engine_report(bundle, result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    elif not quiet:
+        click.echo(report.read_text(), err=True)
+    if result["status"] == "failed":
+        raise KvzapError(f"engine level failed: {result['summary']}; see {report}")
+    if result["status"] != "passed":  # ran, nothing failed, but not everything was compared: never "passed"
+        click.echo(f"engine level incomplete: {result.get('reason', result['summary'])}; see {report}", err=True)
+        raise click.exceptions.Exit(3)
