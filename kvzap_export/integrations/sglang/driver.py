@@ -58,6 +58,28 @@ def _last_reading(path: Path, rid: str) -> dict | None:
     return last
 
 
+# The model modules SGLang needs for the architectures KVzap's glue scores (api.SCORED_ATTENTION).
+SCORED_MODULES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+
+def skip_other_models(model: str) -> None:
+    """SGLang's model registry imports every model module at start (tens of seconds on 2 CPU cores); for a
+    model whose module is known, tell it to skip the others (its own ``SGLANG_DISABLED_MODEL_ARCHS``)."""
+    import importlib.util
+    import pkgutil
+
+    try:
+        architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return
+    keep = {SCORED_MODULES[a] for a in architectures if a in SCORED_MODULES}
+    spec = importlib.util.find_spec("sglang.srt.models")
+    if not keep or spec is None or os.environ.get("SGLANG_DISABLED_MODEL_ARCHS"):
+        return
+    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations) if not m.ispkg]
+    os.environ["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(n for n in names if n not in keep)
+
+
 def _launch(spec: dict):
     """(engine, readings path, launch seconds) with the plugin configured for ``spec["mode"]``."""
     stats = Path(tempfile.mkdtemp(prefix="kvzap-sglang-")) / "readings.jsonl"
@@ -66,6 +88,7 @@ def _launch(spec: dict):
         os.environ.pop("KVZAP_BUNDLE", None)
     else:
         os.environ.update(KVZAP_BUNDLE=str(spec["bundle"]), KVZAP_MODE=spec["mode"], KVZAP_DECODING="1")
+    skip_other_models(spec["model"])
     import sglang
 
     started = time.perf_counter()
