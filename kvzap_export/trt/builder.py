@@ -238,7 +238,7 @@ def build_engines(bundle: str | Path, options: BuildOptions | None = None,
             raise MissingDependencyError(f"--require-trt: {why_not}")
         return {"tensorrt": None, "gpu": None, "status": f"no engines built: {why_not}; bundle unchanged",
                 "engines": [], "skipped": []}
-    problems = verify_bundle(bundle, check_engines=False)
+    problems = verify_bundle(bundle)
     if problems:
         raise BundleError(f"{bundle}: the bundle fails verification ({problems[0]}; {len(problems)} problem(s) in all); "
                           f"run `kvzap-export verify {bundle}` and re-export it")
