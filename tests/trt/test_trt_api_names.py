@@ -272,7 +272,7 @@ def _removed(names, qualified) -> list[str]:
 # The tests
 
 
-def test_the_scan_sees_the_builder_the_runner_the_verifier_and_the_python_plugin():
+def test_the_scan_sees_the_builder_the_runner_the_engine_check_and_the_python_plugin():
     names, qualified = project_usage()
     found = {name for _, name in names}
     assert {"Builder", "create_network", "STRONGLY_TYPED", "parse_from_file", "num_errors", "get_error",
@@ -284,7 +284,7 @@ def test_the_scan_sees_the_builder_the_runner_the_verifier_and_the_python_plugin
     assert {"register", "aot_impl", "KernelLaunchParams", "shape_expr", "from_shape_expr"} <= found  # QDP plugin
     assert ("trt", "NetworkDefinitionCreationFlag.STRONGLY_TYPED") in qualified
     assert ("trt", "MemoryPoolType.WORKSPACE") in qualified and ("trt", "Logger.WARNING") in qualified
-    assert any("kvzap_export/bundle/verify.py" in files for files in names.values())
+    assert any("kvzap_export/trt/compatibility.py" in files for files in names.values())
 
 
 def test_every_tensorrt_name_exists_in_tensorrt_11(api):
