@@ -74,10 +74,11 @@ def bench(args, cuda=None) -> list[dict]:
     """Rows of timings; ``cuda``: a ``CudaKernels`` or None (Triton only)."""
     import torch
 
+    from kvzap_export.export.dtypes import TORCH_DTYPES
     from kvzap_export.kernels import triton_compaction as tk
     from kvzap_export.ops.compaction import indices_from_keep, keep_mask, kv_compaction
 
-    dtype = getattr(torch, args.dtype)
+    dtype = TORCH_DTYPES[args.dtype]
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
     measure = _timer(torch, flush, args.warmup, args.reps)
     rows = []
@@ -178,9 +179,14 @@ def check(args, cuda=None) -> bool:
                         got = cuda.threshold_compaction(scores, lengths, tau, window, sink, keep_dtype=keep_dtype)
                         same(f"cuda compaction keep={keep_dtype} {case}", (got.keep.bool(), got.counts, got.indices), ref)
                     same(f"cuda kv_move {case}", cuda.kv_compaction(keys, values, ref.indices.to(DEVICE)), ref_kv)
-    kernels = "the Triton and CUDA kernels" if cuda is not None else "the Triton kernels (CUDA library not loaded)"
-    print(f"check: {kernels} {'exactly equal the reference' if ok else ': MISMATCHES found'} on {_device_name(torch)}")
+    print(f"check: {_kernels(cuda)} {'exactly equal the reference' if ok else ': MISMATCHES found'} on {_device_name(torch)}")
     return ok
+
+
+def _kernels(cuda) -> str:
+    """What was compared, by name: the CUDA rows come from the library at ``cuda.path``."""
+    return f"the Triton kernels and the CUDA kernels of {cuda.path}" if cuda is not None else \
+        "the Triton kernels (CUDA library not loaded)"
 
 
 def _device_name(torch) -> str:
@@ -229,7 +235,7 @@ def _cuda_kernels(args, scratch: Path):
     try:
         if args.cuda_lib is not None:
             return CudaKernels(args.cuda_lib)
-        print("bench_kernels: building the CUDA kernels with nvcc (sm_80, sm_90) ...", flush=True)
+        print("bench_kernels: building the CUDA kernels with nvcc (sm_80 and sm_90, PTX of sm_90) ...", flush=True)
         return CudaKernels(build_kernel_library(scratch / "libkvzap_kernels.so"))
     except KvzapError as error:
         print(f"bench_kernels: CUDA kernels skipped: {error}")
@@ -283,8 +289,7 @@ def main(argv=None) -> int:
             return 0 if check(args, cuda) else 1
         rows = bench(args, cuda)
     device = _device_name(torch)
-    kernels = "Triton and CUDA kernels" if cuda is not None else "Triton kernels"
-    print(f"# {kernels} vs torch reference — {device}, batch {args.batch}, {args.heads} KV heads, "
+    print(f"# {_kernels(cuda)} vs torch reference — {device}, batch {args.batch}, {args.heads} KV heads, "
           f"head dim {args.head_dim}, {args.dtype}, τ={args.threshold}, window={args.window}; median of {args.reps}")
     print(_table(rows))
     print()

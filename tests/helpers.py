@@ -1,10 +1,11 @@
-"""Test helpers: synthetic kvpress-format checkpoints with a preset's exact shapes."""
+"""Test helpers: synthetic kvpress-format checkpoints with a preset's exact shapes; counting host reads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvzap_export.presets import Preset
 from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
@@ -21,3 +22,20 @@ def synthetic_checkpoint(preset: Preset, variant: str, directory: Path, seed: in
                 p.mul_(scale)
     surrogate.save(directory)
     return directory
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of one tensor value back to the host (``int(t)``, ``float(t)``, ``bool(t)``, ``t.item()``).
+
+    On a GPU each is a synchronization with the device; the ops dispatched are the same on the CPU, so the count
+    is too. (``t.tolist()`` and ``t.cpu()`` are not counted.)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

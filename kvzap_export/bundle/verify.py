@@ -7,19 +7,7 @@ from pathlib import Path
 
 from kvzap_export.bundle.manifest import integrity_problems, read_manifest, sha256_file
 from kvzap_export.errors import KvzapError
-
-_ONNX_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool"}
-
-
-def _io_of(model) -> tuple[dict, dict]:
-    def spec(values):
-        out = {}
-        for v in values:
-            t = v.type.tensor_type
-            out[v.name] = [_ONNX_TYPES.get(t.elem_type, str(t.elem_type)), [d.dim_param or d.dim_value for d in t.shape.dim]]
-        return out
-
-    return spec(model.graph.input), spec(model.graph.output)
+from kvzap_export.export.dtypes import graph_io
 
 
 def _check_onnx(bundle: Path, artifact: dict, problems: list[str]) -> None:
@@ -32,7 +20,7 @@ def _check_onnx(bundle: Path, artifact: dict, problems: list[str]) -> None:
     except Exception as exc:  # onnx raises several unrelated types for a corrupt file
         problems.append(f"{artifact['path']}: not a valid ONNX model ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
         return
-    inputs, outputs = _io_of(model)
+    inputs, outputs = graph_io(model)
     for kind, declared, actual in (("inputs", artifact.get("inputs", {}), inputs), ("outputs", artifact.get("outputs", {}), outputs)):
         if list(declared) != list(actual):
             problems.append(f"{artifact['path']}: {kind} {list(actual)} but the manifest declares {list(declared)}")
@@ -64,45 +52,19 @@ def _check_surrogate(bundle: Path, manifest: dict, problems: list[str]) -> None:
         problems.append(f"surrogate: checkpoint is {cfg.variant}, the manifest says {manifest['surrogate']['variant']}")
 
 
-def _check_engines(manifest: dict, problems: list[str], notes: list[str]) -> None:
-    """Engines are tied to a TensorRT version and a GPU: check both where TensorRT (and a GPU) can tell."""
-    from kvzap_export.trt.availability import gpu_name, import_tensorrt
-
-    engines = [a for a in manifest.get("artifacts", []) if a.get("kind") == "trt_engine"]
-    if not engines:
-        return
+def _check_engine_sources(manifest: dict, problems: list[str]) -> None:
+    """Every engine names the artifact it was built from (whether it fits this machine: ``trt.compatibility``)."""
     sources = {a["path"] for a in manifest.get("artifacts", []) if a.get("kind") != "trt_engine"}
-    for engine in engines:
+    for engine in (a for a in manifest.get("artifacts", []) if a.get("kind") == "trt_engine"):
         if engine.get("source") not in sources:
             problems.append(f"{engine['path']}: built from {engine.get('source')!r}, which is not an artifact of this bundle")
-    built = manifest.get("engines") or {}
-    recorded = built.get("tensorrt") or manifest.get("tools", {}).get("tensorrt")
-    trt, why_not = import_tensorrt()
-    if trt is None:
-        notes.append(f"{len(engines)} TensorRT engine(s) not checked against this machine: {why_not}")
-        return
-    if recorded and trt.__version__ != recorded:
-        message = f"engines were built with TensorRT {recorded}, this machine has {trt.__version__}"
-        if built.get("version_compatible"):
-            notes.append(f"{message} (version-compatible engines: a later TensorRT can run them)")
-        else:
-            problems.append(f"{message}; rebuild with `kvzap-export build`")
-    gpu, here = built.get("gpu"), gpu_name()
-    if gpu and here is None:
-        notes.append(f"engines were built for GPU {gpu!r}; no CUDA GPU is visible here, so the GPU was not checked")
-    elif gpu and here != gpu:
-        message = f"engines were built for GPU {gpu!r}, this machine has {here!r}"
-        if built.get("hardware_compat") in ("ampere+", "same"):
-            notes.append(f"{message} (built with hardware compatibility {built['hardware_compat']!r})")
-        else:
-            problems.append(f"{message}; rebuild with `kvzap-export build`")
 
 
-def verify_bundle(bundle: str | os.PathLike, *, check_engines: bool = True, notes: list[str] | None = None) -> list[str]:
+def verify_bundle(bundle: str | os.PathLike) -> list[str]:
     """Returns every problem found (empty list: the bundle is intact and consistent).
 
-    ``check_engines``: also require TensorRT engines to match this machine's TensorRT version and GPU, where
-    TensorRT is importable; what could not be checked is appended to ``notes`` when given.
+    Needs no TensorRT: whether the bundle's engines fit this machine's TensorRT and GPU is
+    ``kvzap_export.trt.compatibility.engine_compatibility`` (``kvzap-export verify`` runs both).
     """
     bundle = Path(bundle)
     manifest = read_manifest(bundle)  # raises BundleError for unreadable / wrong schema
@@ -131,6 +93,5 @@ def verify_bundle(bundle: str | os.PathLike, *, check_engines: bool = True, note
     if layers != list(range(manifest["model"]["num_layers"])):
         problems.append(f"surrogate layers {layers[:5]}... do not cover the model's {manifest['model']['num_layers']} layers")
     _check_surrogate(bundle, manifest, problems)
-    if check_engines:
-        _check_engines(manifest, problems, notes if notes is not None else [])
+    _check_engine_sources(manifest, problems)
     return problems

@@ -18,10 +18,13 @@ def verify(bundle: str, as_json: bool) -> None:
     TensorRT engines must match this machine's TensorRT version and GPU where TensorRT is importable; otherwise
     a note says they were not checked. Exits 0 when the bundle is intact, 2 listing every problem otherwise.
     """
+    from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.bundle.verify import verify_bundle
+    from kvzap_export.trt.compatibility import engine_compatibility
 
-    notes: list[str] = []
-    problems = verify_bundle(bundle, notes=notes)
+    problems = verify_bundle(bundle)
+    engine_problems, notes = engine_compatibility(read_manifest(bundle))
+    problems += engine_problems
     if as_json:
         click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems, "notes": notes}, indent=2))
     else:

@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvzap_export.errors import ConfigError
-from kvzap_export.export.dtypes import ONNX_DTYPES, canonical_dtype, check_opset
+from kvzap_export.export.dtypes import ONNX_DTYPES, canonical_dtype, check_opset, graph_io
 
 PLUGIN_OP = "KVzapThresholdCompaction"
 PLUGIN_NAMESPACE = "kvzap"
@@ -154,12 +154,6 @@ def _model(graph, opset: int, extra=()) -> onnx.ModelProto:
     return model
 
 
-def _spec(model: onnx.ModelProto) -> tuple[dict, dict]:
-    from kvzap_export.bundle.verify import _io_of
-
-    return _io_of(model)
-
-
 def export_compaction_artifacts(out_dir: Path, num_kv_heads: int, head_dim: int, dtype: str = "float32", opset: int = 20,
                                 sink: int = 0) -> list[dict]:
     """Writes the three compaction graphs under ``out_dir``; returns manifest artifact entries.
@@ -187,7 +181,7 @@ def export_compaction_artifacts(out_dir: Path, num_kv_heads: int, head_dim: int,
         target = Path(out_dir) / PATHS[kind]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(model.SerializeToString(deterministic=True))
-        inputs, outputs = _spec(model)
+        inputs, outputs = graph_io(model)
         entry = {"kind": kind, "path": PATHS[kind], "inputs": inputs, "outputs": outputs}
         if kind == "threshold_compaction_plugin":
             entry["plugin"] = {"name": PLUGIN_OP, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE, "sink": sink}

@@ -228,8 +228,9 @@ class RequestState:
             keep = torch.zeros(L, H, 0, dtype=torch.bool, device=self.counts.device)
         else:
             p = self.policy
+            # Row lengths never exceed P by construction: not read back to validate them (no sync per step).
             rows = threshold_compaction(self.scores.reshape(L * H, 1, P), self.counts.reshape(L * H), p.threshold, p.window,
-                                        p.sink)
+                                        p.sink, check_lengths=False)
             keep = rows.keep.reshape(L, H, P)
             # A uniform extra (evicted earlier, held only as padding) never re-enters the rule's set.
             keep = keep & self.rule_kept

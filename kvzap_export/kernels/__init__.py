@@ -2,7 +2,7 @@
 
 - ``triton_compaction``: the fused decision kernel and the K/V move, with launchers;
 - ``torch_ops``: the ``kvzap::threshold_compaction`` / ``kvzap::kv_compaction`` torch custom ops;
-- ``trt_plugin``: the TensorRT ``tensorrt.plugin`` registration (JIT and AOT).
+- ``trt_plugin``: the TensorRT ``tensorrt.plugin`` registration (AOT: the kernel's PTX carried by the engine).
 
 Importing ``kvzap_export.kernels`` needs neither triton nor tensorrt. The launchers are also reachable here
 (``kvzap_export.kernels.triton_threshold_compaction``); they import the Triton module on first access.

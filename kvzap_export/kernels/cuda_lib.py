@@ -1,7 +1,9 @@
 """The CUDA C kernels of ``plugins/`` (``libkvzap_kernels.so``, C ABI in ``plugins/include/kvzap/compaction.h``)
 called from Python on torch CUDA tensors.
 
-- ``build_kernel_library(out)`` compiles ``plugins/src/compaction.cu`` with nvcc (sm_80 + sm_90 by default).
+- ``build_kernel_library(out)`` compiles ``plugins/src/compaction.cu`` with nvcc: machine code (SASS) for sm_80
+  and sm_90 by default, plus the PTX of the newest one, which the driver compiles for GPUs newer than every
+  SASS (Blackwell and later); without it the library would not load there.
   It needs a source checkout: ``plugins/`` is not part of the installed package; CMake
   (``cmake -S plugins -B build``) builds the same library.
 - ``CudaKernels(path)`` loads a built library with ctypes. ``threshold_compaction`` / ``kv_compaction`` have
@@ -33,8 +35,11 @@ KEEP_DTYPES = {torch.bool: 3, torch.int32: 4}
 
 
 def nvcc_command(out: Path, architectures=ARCHITECTURES, nvcc: str = "nvcc") -> list[str]:
-    """The nvcc line that builds the library: -O3, position independent, one cubin per architecture."""
+    """The nvcc line that builds the library: -O3, position independent, one cubin per architecture and the
+    PTX of the newest (CMake's ``80-real;90`` in plugins/CMakeLists.txt)."""
+    newest = max(architectures, key=int)
     gencode = [flag for arch in architectures for flag in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
+    gencode += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-Wextra", "-shared", f"-I{PLUGINS / 'include'}",
             *gencode, str(SOURCE), "-o", str(out)]
 
@@ -134,8 +139,12 @@ class CudaKernels:
         return keys_out, values_out
 
     def kv_compaction(self, keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract and outputs as ``kvzap_export.ops.kv_compaction``."""
+        """Same contract and outputs as ``kvzap_export.ops.kv_compaction``; an index past the sequence is refused
+        (the reference cannot gather it; the kernel itself would give a zero row and read nothing)."""
         check_kv_inputs(keys, values, indices)
+        seq = keys.shape[2]
+        if indices.numel() and int(indices.max()) >= seq:
+            raise InputError(f"indices must be below seq={seq} (-1 for none), got {int(indices.max())}")
         _require_cuda(keys, values, indices)
         if keys.dtype != values.dtype or keys.element_size() not in (2, 4):
             raise InputError(f"the CUDA kernel moves 2- or 4-byte elements of one dtype, got {keys.dtype} and {values.dtype}")

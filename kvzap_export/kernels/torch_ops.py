@@ -7,9 +7,11 @@ meta tensors. Engine integrations (TensorRT-LLM, SGLang) call these, so every en
     from kvzap_export.kernels.torch_ops import threshold_compaction, kv_compaction
 
 The public functions validate their inputs (typed ``InputError``) and then call the op. The ops themselves
-(``torch.ops.kvzap.*``) do not re-validate on CUDA: validation reads ``lengths`` back to the host, which
-would synchronize the stream and break CUDA-graph capture. The kernels are memory-safe for any lengths,
-window and sink, and out-of-range K/V indices read nothing.
+(``torch.ops.kvzap.*``) never re-validate, on any device: validating ``lengths`` reads them back to the host,
+which on a GPU synchronizes the stream and breaks CUDA-graph capture. ``threshold_compaction(...,
+check_lengths=False)`` skips that one check for callers whose lengths are valid by construction (the engine
+state, ``integrations/core.py``, once per step), so nothing on that path waits for the device. The kernels are
+memory-safe for any lengths, window and sink, and out-of-range K/V indices read nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def _threshold_compaction(scores: torch.Tensor, lengths: torch.Tensor, threshold
     kernels = _kernels(scores)
     if kernels is not None:
         return tuple(kernels.launch_threshold_compaction(scores, lengths, threshold, window, sink))
-    return tuple(reference.threshold_compaction(scores, lengths, threshold, window, sink))
+    keep = reference.keep_mask(scores, lengths, threshold, window, sink)  # the reference's rule, unvalidated
+    return (keep, *reference.indices_from_keep(keep))
 
 
 @_threshold_compaction.register_fake
@@ -58,13 +61,15 @@ def _(keys, values, indices):
     return torch.empty_like(keys), torch.empty_like(values)
 
 
-def threshold_compaction(scores: torch.Tensor, lengths: torch.Tensor, threshold, window, sink=0) -> Compaction:
+def threshold_compaction(scores: torch.Tensor, lengths: torch.Tensor, threshold, window, sink=0, *,
+                         check_lengths: bool = True) -> Compaction:
     """``kvzap_export.ops.threshold_compaction`` through the custom op (validated first, typed errors).
 
     scores: (batch, kv_heads, seq) float; lengths: (batch,) int. Returns keep bool (batch, kv_heads, seq),
-    counts int32 (batch, kv_heads), indices int32 (batch, kv_heads, seq).
+    counts int32 (batch, kv_heads), indices int32 (batch, kv_heads, seq). ``check_lengths=False``: lengths are
+    known to lie in [0, seq] and are not read back to the host (no device synchronization).
     """
-    tau, win, snk = reference.check_inputs(scores, lengths, threshold, window, sink)
+    tau, win, snk = reference.check_inputs(scores, lengths, threshold, window, sink, check_lengths=check_lengths)
     return Compaction(*torch.ops.kvzap.threshold_compaction(scores, lengths, tau, win, snk))
 
 

@@ -1,29 +1,34 @@
-"""The compaction plugin as a TensorRT "quickly deployable plugin" (``tensorrt.plugin``, TRT 10.x / 11.x).
+"""The compaction plugin as a TensorRT "quickly deployable plugin" (``tensorrt.plugin``, AOT implementation).
 
-``register_plugin()`` registers ``kvzap::KVzapThresholdCompaction`` version "1" — the op type, namespace and
-version of the bundle's ``threshold_compaction_plugin.onnx`` node, so TensorRT's ONNX parser maps the node to
-it. Three parts:
+``kvzap-export build --python-plugin`` builds the bundle's plugin-node engine with it instead of the C++ library
+(``plugins/``, ``--plugin-lib``): nothing to compile with CMake against TensorRT's headers, and the engine carries
+the kernel's code, so trtexec or a C++ runtime runs it without Python and without a plugin library.
+
+``register_plugin()`` registers ``kvzap_aot::KVzapThresholdCompaction`` version "1": the bundle's op type under a
+namespace of its own, so it never collides with the C++ plugin (``kvzap::KVzapThresholdCompaction``) when both are
+loaded in one process; the builder points its copy of the plugin node at it (``python_plugin_graph``). Two parts:
 
 - ``register``: output descriptors from the input descriptors (keep int32 0/1 and indices int32 shaped like
   ``scores``; counts int32 ``[batch, kv_heads]``); attribute ``sink`` (int).
-- ``impl`` (JIT, needs Python and torch at run time): launches the Triton kernel on TensorRT's stream.
-- ``aot_impl``: compiles the same Triton kernel to PTX (``compile_compaction_kernel``) and returns its name,
-  the PTX, launch parameters (grid = batch × kv_heads × max(cdiv(seq, CHUNK_T), 1) programs, block =
-  num_warps × 32 threads, Triton's shared memory) and the scalar extras ``seq``, ``heads`` as shape expressions. The engine then carries the
-  kernel and runs from C++ / trtexec without Python. Kernel argument order = QDP AOT order: input tensors
-  (scores, lengths, threshold, window), extras (seq, heads), output tensors (keep, counts, indices).
+- ``aot_impl``: compiles the Triton kernel to PTX (``compile_compaction_kernel``) and returns its name, the PTX,
+  launch parameters (grid = batch × kv_heads × max(cdiv(seq, CHUNK_T), 1) programs, block = num_warps × 32
+  threads, Triton's shared memory) and the scalar extras ``seq``, ``heads`` as shape expressions. Kernel argument
+  order = QDP AOT order: input tensors (scores, lengths, threshold, window), extras (seq, heads), output tensors
+  (keep, counts, indices). The PTX targets sm_80 (``PTX_ARCH``) whatever GPU builds the engine: PTX is compiled
+  forward to any later GPU, so the plugin suits ``--hardware-compat ampere+`` engines and every GPU TensorRT 10/11
+  runs on from Ampere on; the kernel (no tensor cores, no Hopper-only instructions) loses nothing by it.
 
-With both implementations registered, TensorRT needs a preference when the network is created:
-``trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS`` (or ``..._JIT_...``); ``register_plugin(jit=False)``
-registers the AOT implementation alone.
+No JIT implementation (``@trtp.impl``) is registered: it would call back into Python and torch inside every process
+that runs the engine, and with both registered TensorRT needs a preference flag at network creation. The builder
+still sets ``NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS`` so the choice is explicit.
 
-Triton (≥ 3.3) appends hidden scratch-buffer parameters to every kernel; TensorRT passes only the
-parameters above, so ``ptx_for_tensorrt`` removes the trailing ones after checking that the kernel never
-reads them (no scratch memory is used by this kernel).
+Triton (≥ 3.3) appends hidden scratch-buffer parameters to every kernel; TensorRT passes only the parameters above,
+so ``ptx_for_tensorrt`` removes the trailing ones after checking that the kernel never reads them.
 
-Status: the AOT compilation (Triton → PTX for sm_80/sm_90) runs in the tests without a GPU; the
-TensorRT-facing parts have never run (TensorRT cannot be installed here). Every ``trt.`` / ``trtp.`` name
-used below exists in the real TensorRT 11.4 bindings (tests/trt/test_trt_api_names.py).
+Status: the AOT compilation (Triton → PTX) runs in the tests without a GPU, and the registration and the builder's
+use of it run against a stand-in of ``tensorrt.plugin`` (tests/kernels/test_trt_plugin.py); nothing here has run
+inside TensorRT (it cannot be installed here). Every ``trt.`` / ``trtp.`` name used below exists in the real
+TensorRT 11.4 bindings (tests/trt/test_trt_api_names.py).
 
 Deliberately no ``from __future__ import annotations``: ``tensorrt.plugin`` reads the real annotations.
 """
@@ -31,10 +36,14 @@ Deliberately no ``from __future__ import annotations``: ``tensorrt.plugin`` read
 import re
 from typing import Tuple, Union
 
-from kvzap_export.errors import MissingDependencyError
+from kvzap_export.errors import BundleError, MissingDependencyError
 from kvzap_export.export.compaction_onnx import PLUGIN_NAMESPACE, PLUGIN_OP
 
-PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_OP}"
+QDP_NAMESPACE = f"{PLUGIN_NAMESPACE}_aot"  # not the C++ plugin's namespace: both can be registered in one process
+PLUGIN_ID = f"{QDP_NAMESPACE}::{PLUGIN_OP}"
+PTX_ARCH = 80  # the oldest GPU TensorRT 10/11 engines (and ampere+ compatibility) cover; later GPUs compile it forward
+INSTALL = ("install a TensorRT whose tensorrt.plugin has AOT implementations (aot_impl; the 11.x line has them) from "
+           "NVIDIA's index on a GPU machine")
 KERNEL_PARAMS = ("scores_ptr", "lengths_ptr", "threshold_ptr", "window_ptr", "seq", "heads",
                  "keep_ptr", "counts_ptr", "indices_ptr")
 TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
@@ -103,39 +112,46 @@ def ptx_for_tensorrt(compiled) -> str:
     return ptx[: header.start(1)] + "\n\t" + kept + "\n" + ptx[header.end(1):]
 
 
-def register_plugin(aot: bool = True, jit: bool = True) -> str:
-    """Registers the plugin with TensorRT's plugin registry (once per process); returns its id.
+def python_plugin_graph(model):
+    """A copy of the bundle's plugin graph whose ``KVzapThresholdCompaction`` node names this plugin's namespace.
 
-    ``aot`` registers the ahead-of-time implementation (PTX in the engine), ``jit`` the Python one.
+    TensorRT's ONNX parser finds a plugin by the node's op type, ``plugin_version`` and ``plugin_namespace``
+    attributes; the bundle's graph names the C++ plugin's namespace (``kvzap``). model: onnx.ModelProto.
+    """
+    import onnx
+    from onnx import helper
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    nodes = [node for node in copy.graph.node if node.op_type == PLUGIN_OP]
+    if len(nodes) != 1:
+        raise BundleError(f"the plugin graph has {len(nodes)} {PLUGIN_OP} node(s), expected one; re-export the bundle")
+    kept = [a for a in nodes[0].attribute if a.name != "plugin_namespace"]
+    del nodes[0].attribute[:]
+    nodes[0].attribute.extend([*kept, helper.make_attribute("plugin_namespace", QDP_NAMESPACE)])
+    return copy
+
+
+def register_plugin() -> str:
+    """Registers the AOT plugin with TensorRT's plugin registry (once per process); returns its id.
+
+    Raises MissingDependencyError without TensorRT's ``tensorrt.plugin`` AOT support or without Triton.
     """
     global _registered
     if _registered:
         return PLUGIN_ID
-    if not (aot or jit):
-        raise ValueError("register_plugin needs at least one implementation: aot=True or jit=True")
     try:
         import tensorrt as trt
         import tensorrt.plugin as trtp
     except ModuleNotFoundError:
-        raise MissingDependencyError(
-            "the TensorRT plugin needs TensorRT >= 10.8 with tensorrt.plugin: install TensorRT from NVIDIA's index on a GPU machine"
-        ) from None
-    import torch
-
+        raise MissingDependencyError(f"the Python TensorRT plugin needs tensorrt.plugin: {INSTALL}") from None
+    if getattr(trt, "QuickPluginCreationRequest", None) is None:  # what tensorrt.plugin itself tests for AOT support
+        raise MissingDependencyError(f"TensorRT {trt.__version__} has no AOT Python plugins: {INSTALL}")
     from kvzap_export.kernels import triton_compaction
 
     triton_compaction.require_triton()
     dtype_names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16",
                    trt.int32: "int32", trt.int64: "int64"}
-    # __cuda_array_interface__ typestr and the torch dtype to view the buffer as (no bfloat16 in that protocol).
-    torch_views = {trt.float32: ("<f4", torch.float32), trt.float16: ("<f2", torch.float16),
-                   trt.bfloat16: ("<i2", torch.bfloat16), trt.int32: ("<i4", torch.int32),
-                   trt.int64: ("<i8", torch.int64), trt.bool: ("|i1", torch.int8)}
-
-    def as_torch(tensor) -> torch.Tensor:
-        typestr, view = torch_views[tensor.dtype]
-        buffer = _CudaBuffer(tuple(tensor.shape), typestr, tensor.data_ptr)
-        return torch.as_tensor(buffer, device="cuda").view(view)
 
     @trtp.register(PLUGIN_ID)
     def describe(scores: trtp.TensorDesc, lengths: trtp.TensorDesc, threshold: trtp.TensorDesc,
@@ -147,52 +163,27 @@ def register_plugin(aot: bool = True, jit: bool = True) -> str:
         indices = trtp.from_shape_expr(shape, dtype=trt.int32)
         return keep, counts, indices
 
-    if jit:
-        @trtp.impl(PLUGIN_ID)
-        def run(scores: trtp.Tensor, lengths: trtp.Tensor, threshold: trtp.Tensor, window: trtp.Tensor, sink: int,
-                outputs: Tuple[trtp.Tensor], stream: int) -> None:
-            s = as_torch(scores)
-            keep, counts, indices = (as_torch(o) for o in outputs)
-            batch, heads, seq = s.shape
-            if batch * heads == 0:
-                return
-            config = triton_compaction.compaction_config(seq, triton_compaction.BLOCK_T, triton_compaction.CHUNK_T)
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                triton_compaction.compaction_kernel[(config.programs(batch, heads, seq),)](
-                    s, as_torch(lengths), as_torch(threshold), as_torch(window), seq, heads, keep, counts, indices,
-                    SINK=sink, BLOCK=config.block, CHUNK=config.chunk, num_warps=config.num_warps)
-
-    if aot:
-        @trtp.aot_impl(PLUGIN_ID)
-        def compile_ahead(scores: trtp.TensorDesc, lengths: trtp.TensorDesc, threshold: trtp.TensorDesc,
-                          window: trtp.TensorDesc, sink: int, outputs: Tuple[trtp.TensorDesc], tactic: int
-                          ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
-            names = {}
-            for name, desc in (("scores", scores), ("lengths", lengths), ("threshold", threshold), ("window", window)):
-                if desc.dtype not in dtype_names:
-                    raise ValueError(f"{PLUGIN_ID}: input {name} has dtype {desc.dtype}, which has no kernel")
-                names[name] = dtype_names[desc.dtype]
-            compiled = compile_compaction_kernel(names["scores"], sink, lengths_dtype=names["lengths"],
-                                                 threshold_dtype=names["threshold"], window_dtype=names["window"])
-            shape = scores.shape_expr
-            launch = trtp.KernelLaunchParams()
-            # One program per (sequence, KV head, chunk of CHUNK_T tokens), at least one per row.
-            launch.grid_x = shape[0] * shape[1] * trtp.max(trtp.cdiv(shape[2], triton_compaction.CHUNK_T), 1)
-            launch.block_x = compiled.metadata.num_warps * 32
-            launch.shared_mem = compiled.metadata.shared
-            extra = trtp.SymIntExprs(2)
-            extra[0] = trtp.SymInt32(shape[2])  # seq
-            extra[1] = trtp.SymInt32(shape[1])  # heads
-            return compiled.metadata.name, ptx_for_tensorrt(compiled), launch, extra
+    @trtp.aot_impl(PLUGIN_ID)
+    def compile_ahead(scores: trtp.TensorDesc, lengths: trtp.TensorDesc, threshold: trtp.TensorDesc,
+                      window: trtp.TensorDesc, sink: int, outputs: Tuple[trtp.TensorDesc], tactic: int
+                      ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+        names = {}
+        for name, desc in (("scores", scores), ("lengths", lengths), ("threshold", threshold), ("window", window)):
+            if desc.dtype not in dtype_names:
+                raise ValueError(f"{PLUGIN_ID}: input {name} has dtype {desc.dtype}, which has no kernel")
+            names[name] = dtype_names[desc.dtype]
+        compiled = compile_compaction_kernel(names["scores"], sink, PTX_ARCH, lengths_dtype=names["lengths"],
+                                             threshold_dtype=names["threshold"], window_dtype=names["window"])
+        shape = scores.shape_expr
+        launch = trtp.KernelLaunchParams()
+        # One program per (sequence, KV head, chunk of CHUNK_T tokens), at least one per row.
+        launch.grid_x = shape[0] * shape[1] * trtp.max(trtp.cdiv(shape[2], triton_compaction.CHUNK_T), 1)
+        launch.block_x = compiled.metadata.num_warps * 32
+        launch.shared_mem = compiled.metadata.shared
+        extra = trtp.SymIntExprs(2)
+        extra[0] = trtp.SymInt32(shape[2])  # seq
+        extra[1] = trtp.SymInt32(shape[1])  # heads
+        return compiled.metadata.name, ptx_for_tensorrt(compiled), launch, extra
 
     _registered = True
     return PLUGIN_ID
-
-
-class _CudaBuffer:
-    """A contiguous device buffer described by ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
-
-    def __init__(self, shape: tuple, typestr: str, pointer: int):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (int(pointer), False),
-                                         "strides": None, "version": 3}
-

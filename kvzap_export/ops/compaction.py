@@ -49,8 +49,12 @@ def _as_int(value, name: str) -> int:
     return value
 
 
-def check_inputs(scores, lengths, threshold, window, sink=0) -> tuple[float, int, int]:
-    """Validates the public op's inputs; returns (threshold, window, sink) as Python numbers."""
+def check_inputs(scores, lengths, threshold, window, sink=0, *, check_lengths: bool = True) -> tuple[float, int, int]:
+    """Validates the public op's inputs; returns (threshold, window, sink) as Python numbers.
+
+    ``check_lengths=False`` skips the range check of ``lengths``' values, the one check that reads a tensor back
+    to the host (on a GPU, a synchronization): for callers whose lengths are valid by construction.
+    """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
         shape = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise InputError(f"scores must be a tensor [batch, kv_heads, seq], got {shape}")
@@ -63,7 +67,7 @@ def check_inputs(scores, lengths, threshold, window, sink=0) -> tuple[float, int
         raise InputError(f"lengths must be an integer tensor, got {lengths.dtype}")
     if lengths.shape[0] != scores.shape[0]:
         raise InputError(f"lengths has batch {lengths.shape[0]} but scores has batch {scores.shape[0]}")
-    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > scores.shape[2]):
+    if check_lengths and lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > scores.shape[2]):
         raise InputError(f"lengths must lie in [0, seq={scores.shape[2]}], got min {int(lengths.min())}, max {int(lengths.max())}")
     tau = _as_float(threshold, "threshold")
     if math.isnan(tau):

@@ -12,11 +12,18 @@ from pathlib import Path
 
 import numpy as np
 
-from kvzap_export.errors import MissingDependencyError
+from kvzap_export.errors import InputError, MissingDependencyError
+from kvzap_export.export.dtypes import TORCH_DTYPES
 from kvzap_export.runners.base import Metadata, Runner
 from kvzap_export.trt.availability import import_tensorrt, load_plugin_libraries
 
-_NP_OF_TRT = {"FLOAT": "float32", "HALF": "float16", "BF16": "float32", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+# TensorRT DataType member -> the project's dtype name (export/dtypes.py). numpy has no bfloat16: BF16 inputs are
+# fed as float32 and cast on the device, BF16 outputs come back widened to float32 (exact).
+_DTYPE_OF_TRT = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+
+
+def _numpy_name(dtype: str) -> str:
+    return "float32" if dtype == "bfloat16" else dtype
 
 
 class TrtRunner(Runner):
@@ -29,6 +36,7 @@ class TrtRunner(Runner):
     """
 
     backend = "trt"
+    device = "cuda"  # where buffers live; TensorRT reads and writes them there
 
     def __init__(self, engine_path: str | Path, name: str | None = None, plugin_libraries: tuple[str, ...] = (),
                  host_code_allowed: bool = False):
@@ -77,35 +85,42 @@ class TrtRunner(Runner):
         engine = self.engine
         return [engine.get_tensor_name(i) for i in range(engine.num_io_tensors) if engine.get_tensor_mode(engine.get_tensor_name(i)) == mode]
 
+    def _dtype(self, name: str) -> str:
+        trt_name = self.engine.get_tensor_dtype(name).name
+        if trt_name not in _DTYPE_OF_TRT:
+            raise RuntimeError(f"{self.engine_path}: tensor {name} has TensorRT type {trt_name}, which this runner does not read")
+        return _DTYPE_OF_TRT[trt_name]
+
     def get_input_metadata_impl(self) -> Metadata:
-        trt = self.trt
         meta = {}
-        for name in self._io_names(trt.TensorIOMode.INPUT):
-            dtype = _NP_OF_TRT.get(self.engine.get_tensor_dtype(name).name, "float32")
+        for name in self._io_names(self.trt.TensorIOMode.INPUT):
             shape = [d if d >= 0 else f"dim{i}" for i, d in enumerate(self.engine.get_tensor_shape(name))]
-            meta[name] = (dtype, shape)
+            meta[name] = (_numpy_name(self._dtype(name)), shape)
         return meta
 
     def infer_impl(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        trt = self.trt
         stream = torch.cuda.current_stream()
         keep_alive = []
         for name, array in feed.items():
-            tensor = torch.from_numpy(np.ascontiguousarray(array)).cuda()
-            if self.engine.get_tensor_dtype(name) == trt.DataType.BF16:
-                tensor = tensor.to(torch.bfloat16)
+            # np.array keeps 0-d inputs (threshold, window) 0-d; np.ascontiguousarray would make them shape (1,).
+            tensor = torch.from_numpy(np.array(array, order="C")).to(self.device, TORCH_DTYPES[self._dtype(name)])
             keep_alive.append(tensor)
-            self.context.set_input_shape(name, tuple(tensor.shape))
-            self.context.set_tensor_address(name, tensor.data_ptr())
+            if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                raise InputError(f"runner {self.name}: TensorRT refused input {name} of shape {list(tensor.shape)}; the "
+                                 f"engine takes {list(self.engine.get_tensor_shape(name))} (-1: within its optimization "
+                                 "profile; rebuild with larger --max-batch / --max-seq to go further)")
+            if not self.context.set_tensor_address(name, tensor.data_ptr()):
+                raise RuntimeError(f"TensorRT refused the address of input {name} for {self.engine_path}")
         outputs = {}
-        for name in self._io_names(trt.TensorIOMode.OUTPUT):
+        for name in self._io_names(self.trt.TensorIOMode.OUTPUT):
             shape = tuple(self.context.get_tensor_shape(name))
-            torch_dtype = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
-                           "INT64": torch.int64, "BOOL": torch.bool}[self.engine.get_tensor_dtype(name).name]
-            out = torch.empty(shape, dtype=torch_dtype, device="cuda")
-            self.context.set_tensor_address(name, out.data_ptr())
+            if any(d < 0 for d in shape):
+                raise RuntimeError(f"TensorRT left output {name} of {self.engine_path} without a shape ({list(shape)})")
+            out = torch.empty(shape, dtype=TORCH_DTYPES[self._dtype(name)], device=self.device)
+            if not self.context.set_tensor_address(name, out.data_ptr()):
+                raise RuntimeError(f"TensorRT refused the address of output {name} for {self.engine_path}")
             outputs[name] = out
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError(f"TensorRT execution failed for {self.engine_path}")

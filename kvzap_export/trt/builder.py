@@ -11,8 +11,10 @@ One engine per ONNX artifact, in ``engines/<name>.plan``:
 - optional hardware compatibility (``ampere+``: any Ampere-or-newer GPU; ``same``: any GPU of this compute
   capability) and version compatibility (later TensorRT versions can run the engine; the plugin library is then
   serialized into the plugin engine);
-- the plugin-node artifact needs the plugin library (``plugins/``, ``--plugin-lib``); without it that artifact is
-  skipped and the reason recorded.
+- the plugin-node artifact needs an implementation of the plugin: the C++ library (``plugins/``, ``--plugin-lib``)
+  or the Python AOT plugin (``--python-plugin``: ``kernels/trt_plugin.py``, the Triton kernel compiled to PTX
+  and carried by the engine, under a namespace of its own); without either that artifact is skipped and the
+  reason recorded.
 
 The manifest records each engine as a ``trt_engine`` artifact (``source``, ``inputs``/``outputs`` of the source,
 ``profile``), ``tools.tensorrt`` and an ``engines`` section (TensorRT version, GPU name and compute capability,
@@ -50,6 +52,7 @@ class BuildOptions:
 
     require_trt: bool = False
     plugin_libraries: tuple[str, ...] = ()
+    python_plugin: bool = False  # the plugin node through tensorrt.plugin's AOT implementation, not a library
     timing_cache: str | None = None  # default: BUNDLE/engines/timing.cache
     hardware_compat: str = "none"  # none | ampere+ | same
     version_compatible: bool = False
@@ -58,6 +61,8 @@ class BuildOptions:
     max_seq: int | None = None  # default: max_tokens, capped by the model's max_position_embeddings
 
     def __post_init__(self) -> None:
+        if self.python_plugin and self.plugin_libraries:
+            raise ConfigError("--python-plugin and --plugin-lib both implement the plugin node: pass one of them")
         if self.hardware_compat not in HARDWARE_COMPAT:
             raise ConfigError(f"--hardware-compat {self.hardware_compat!r}: use one of {list(HARDWARE_COMPAT)}")
         if not self.workspace_gib > 0:
@@ -107,13 +112,36 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def network_flags(trt, python_plugin: bool) -> int:
+    """Strongly typed (required on 10.x for typed graphs, always on in 11.x); with the Python plugin, its AOT
+    implementation (PTX in the engine) explicitly, never a Python callback."""
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    if python_plugin:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    return flags
+
+
+def _python_plugin_model(onnx_path: Path) -> bytes:
+    """The plugin graph with its node pointed at the Python plugin's namespace (``kernels/trt_plugin.py``)."""
+    import onnx
+
+    from kvzap_export.kernels.trt_plugin import python_plugin_graph
+
+    return python_plugin_graph(onnx.load(str(onnx_path))).SerializeToString()
+
+
 def _build_one(trt, logger, onnx_path: Path, label: str, shapes: dict, options: BuildOptions,
                cache_bytes: bytes | None, plugin: bool) -> tuple[bytes, bytes]:
     """One serialized engine and the updated timing cache; ``label`` names the artifact in errors."""
+    python_plugin = plugin and options.python_plugin
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))  # 11.x: always on
+    network = builder.create_network(network_flags(trt, python_plugin))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    if python_plugin:
+        parsed = parser.parse(_python_plugin_model(onnx_path))
+    else:
+        parsed = parser.parse_from_file(str(onnx_path))
+    if not parsed:
         errors = [" ".join(str(parser.get_error(i)).split()) for i in range(parser.num_errors)]
         raise BundleError(f"{label}: TensorRT {trt.__version__}'s ONNX parser reported {len(errors)} error(s): "
                           + " | ".join(errors))
@@ -134,7 +162,7 @@ def _build_one(trt, logger, onnx_path: Path, label: str, shapes: dict, options: 
         config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY
     if options.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
-        if plugin:  # the engine carries its plugin library, so a later runtime needs no --plugin-lib
+        if plugin and options.plugin_libraries:  # the engine carries its plugin library: no --plugin-lib later
             config.plugins_to_serialize = [str(Path(p).expanduser().resolve()) for p in options.plugin_libraries]
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -157,6 +185,10 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
     directory = Path(directory)
     logger = trt.Logger(trt.Logger.WARNING)
     load_plugin_libraries(trt, options.plugin_libraries)
+    if options.python_plugin:
+        from kvzap_export.kernels.trt_plugin import register_plugin
+
+        register_plugin()
     cache_path = Path(options.timing_cache).expanduser() if options.timing_cache else directory / TIMING_CACHE
     cache_bytes = cache_path.read_bytes() if cache_path.is_file() else None
     max_seq = options.max_seq or default_max_seq(manifest)
@@ -164,9 +196,9 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
     skipped: list[dict] = []
     for artifact in [a for a in manifest["artifacts"] if a["kind"] != "trt_engine" and a["path"].endswith(".onnx")]:
         plugin = artifact["kind"] in PLUGIN_KINDS
-        if plugin and not options.plugin_libraries:
+        if plugin and not (options.plugin_libraries or options.python_plugin):
             skipped.append({"source": artifact["path"], "reason": "needs the TensorRT plugin library: pass --plugin-lib "
-                            f"build/libkvzap_trt_plugin.so (built by `{BUILD_PLUGIN}`)"})
+                            f"build/libkvzap_trt_plugin.so (built by `{BUILD_PLUGIN}`), or --python-plugin"})
         else:
             shapes = profile_shapes(artifact, manifest["max_tokens"], options.max_batch, max_seq)
             plan, cache_bytes = _build_one(trt, logger, directory / artifact["path"], artifact["path"], shapes, options,
@@ -195,6 +227,7 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
         "max_tokens": manifest["max_tokens"],
         "timing_cache": cache_path.resolve().relative_to(directory.resolve()).as_posix() if inside else str(cache_path.resolve()),
         "plugin_libraries": [Path(p).name for p in options.plugin_libraries], "skipped": skipped,
+        "plugin": "python-aot" if options.python_plugin else ("library" if options.plugin_libraries else None),
     }
     return {"tensorrt": version, "gpu": gpu, "status": status, "engines": built, "skipped": skipped}
 
@@ -238,7 +271,7 @@ def build_engines(bundle: str | Path, options: BuildOptions | None = None,
             raise MissingDependencyError(f"--require-trt: {why_not}")
         return {"tensorrt": None, "gpu": None, "status": f"no engines built: {why_not}; bundle unchanged",
                 "engines": [], "skipped": []}
-    problems = verify_bundle(bundle, check_engines=False)
+    problems = verify_bundle(bundle)
     if problems:
         raise BundleError(f"{bundle}: the bundle fails verification ({problems[0]}; {len(problems)} problem(s) in all); "
                           f"run `kvzap-export verify {bundle}` and re-export it")

@@ -77,7 +77,8 @@ int launchCompaction(const void* scores, const int32_t* lengths, const float* th
 }
 
 // Grid (sequence*head, y-blocks): each (threadIdx.y) row of threads copies destination rows t, t + stride, ...
-// in Vec units; a row whose index is -1 becomes zeros.
+// in Vec units. A row whose index lies outside [0, seq) (-1: none) becomes zeros and reads nothing: an index
+// past the head's rows would otherwise read another head's entries or past the allocation.
 template <typename Vec>
 __global__ void kvMoveKernel(const Vec* __restrict__ keys, const Vec* __restrict__ values,
                              const int32_t* __restrict__ indices, int seq, int rowVecs, Vec* __restrict__ keysOut,
@@ -86,11 +87,12 @@ __global__ void kvMoveKernel(const Vec* __restrict__ keys, const Vec* __restrict
   const int stride = static_cast<int>(gridDim.y * blockDim.y);
   for (int t = static_cast<int>(blockIdx.y * blockDim.y + threadIdx.y); t < seq; t += stride) {
     const int src = indices[head * seq + t];
+    const bool has = src >= 0 && src < seq;
     const int64_t dst = (head * seq + t) * rowVecs;
-    const int64_t from = (head * seq + (src < 0 ? 0 : src)) * rowVecs;
+    const int64_t from = (head * seq + (has ? src : 0)) * rowVecs;
     for (int i = static_cast<int>(threadIdx.x); i < rowVecs; i += static_cast<int>(blockDim.x)) {
       Vec k{}, v{};
-      if (src >= 0) {
+      if (has) {
         k = keys[from + i];
         v = values[from + i];
       }

@@ -10,6 +10,7 @@ from kvzap_export.integrations.core import (
     BundleScorer, KVzapPolicy, RequestState, SlotScores, StepScores, budget_selection, context_budget, sparse_layout,
     tp_head_range,
 )
+from tests.helpers import HostReads
 from tests.integrations.kvpress_reference import kvpress_masked
 
 L, H = 3, 4
@@ -132,6 +133,17 @@ def test_count_override_for_tensor_parallel_agreement():
     assert torch.all(d.counts == proposal.local_count + 3)
     # The rule's set is unchanged by the padding.
     assert int(state.rule_kept.sum()) == int(proposal.keep.sum())
+
+
+@pytest.mark.parametrize("layout", ["uniform", "ragged"])
+def test_a_step_reads_one_value_back_to_the_host(layout):
+    """The rule runs on the state's own row lengths without reading them back (on a GPU: no sync per layer per
+    step for validation); the one read is the count ``propose`` returns for the engine to agree on."""
+    state = RequestState(KVzapPolicy(threshold=0.0, window=4, layout=layout), L, H)
+    state.append(torch.randn(L, H, 30, generator=torch.Generator().manual_seed(5)))
+    with HostReads() as reads:
+        proposal = state.propose()
+    assert reads.count == 1 and proposal.local_count == int(proposal.keep.sum(-1).max())
 
 
 def test_sink_and_nan_are_kept():

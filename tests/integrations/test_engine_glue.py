@@ -229,10 +229,10 @@ def test_trtllm_scorer_refuses_quantized_input_and_fused_rope(surrogate, monkeyp
         scorer.record(0, torch.zeros(4, HIDDEN), graph)
     fused = torch.nn.Identity()
     fused.rope_fusion = True
-    monkeypatch.setattr(trtllm, "_STATE", {"evicts": True})
+    monkeypatch.setattr(trtllm.process, "STATE", {"evicts": True})
     with pytest.raises(ConfigError, match="layer 0 fuses RoPE"):
         trtllm.attach_scorer([(0, fused)], scorer)
-    monkeypatch.setattr(trtllm, "_STATE", {"evicts": False})  # context-only 1.2.x path: nothing is evicted later
+    monkeypatch.setattr(trtllm.process, "STATE", {"evicts": False})  # context-only 1.2.x path: nothing is evicted later
     assert len(trtllm.attach_scorer([(0, fused)], scorer)) == 1
 
 
@@ -287,7 +287,7 @@ def stand_in_llm_args(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(trtllm, "_STATE", {})
+    monkeypatch.setattr(trtllm.process, "STATE", {})
     yield importlib.import_module("tensorrt_llm.llmapi.llm_args")
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
         sys.modules.pop(name)
@@ -301,8 +301,8 @@ def test_trtllm_llm_args_accept_the_kvzap_config(stand_in_llm_args):
     llm_args = stand_in_llm_args
     with pytest.raises(pydantic.ValidationError):  # what LLM(...) does before install()
         llm_args.TorchLlmArgs(kv_cache_compression_config={"algorithm": "kvzap"})
-    trtllm._accept_in_llm_args()
-    trtllm._accept_in_llm_args()  # idempotent
+    trtllm.compression_manager.accept_in_llm_args()
+    trtllm.compression_manager.accept_in_llm_args()  # idempotent
     config = trtllm.compression_config()
     assert config.algorithm == "kvzap" and type(config).changes_physical_kv_length
     assert not config.supports_block_reuse() and not config.supports_speculative_decoding()
@@ -395,7 +395,7 @@ def stand_in_resource_manager(tmp_path, monkeypatch, surrogate):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(trtllm, "_STATE", {"scorer": trtllm.KVzapScorer(BundleScorer(surrogate)), "world": 1})
+    monkeypatch.setattr(trtllm.process, "STATE", {"scorer": trtllm.KVzapScorer(BundleScorer(surrogate)), "world": 1})
     importlib.import_module("tensorrt_llm._torch.pyexecutor.resource_manager")
     yield trtllm
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:

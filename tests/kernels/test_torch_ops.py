@@ -6,6 +6,7 @@ import torch
 from kvzap_export.errors import InputError
 from kvzap_export.kernels.torch_ops import kv_compaction, threshold_compaction
 from kvzap_export.ops import compaction as reference
+from tests.helpers import HostReads
 
 
 def _inputs():
@@ -40,3 +41,17 @@ def test_bad_input_is_a_typed_error():
         threshold_compaction(torch.zeros(1, 1, 4), torch.tensor([4]), 0.0, -1)
     with pytest.raises(InputError, match="keys and values"):
         kv_compaction(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 3), torch.zeros(1, 1, 4, dtype=torch.int32))
+
+
+def test_lengths_are_not_read_back_when_known_valid():
+    """check_lengths=False reads no value of lengths: meta tensors, which have none, go through to the fake kernel."""
+    scores, lengths = torch.empty(2, 3, 50, device="meta"), torch.empty(2, dtype=torch.int32, device="meta")
+    keep, counts, indices = threshold_compaction(scores, lengths, 0.1, 8, 2, check_lengths=False)
+    assert keep.device.type == "meta" and keep.shape == (2, 3, 50) and counts.shape == (2, 3)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the default validates, which needs the values
+        threshold_compaction(scores, lengths, 0.1, 8, 2)
+    scores, lengths = _inputs()
+    with HostReads() as reads:
+        got = threshold_compaction(scores, lengths, 0.1, 8, 2, check_lengths=False)
+    assert reads.count == 0
+    assert all(torch.equal(g, r) for g, r in zip(got, reference.threshold_compaction(scores, lengths, 0.1, 8, 2)))

@@ -7,6 +7,7 @@ skips and says so. Point ``TensorRT_ROOT`` at a directory holding ``include/NvIn
 """
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -48,9 +49,42 @@ def _exported(library: Path) -> set[str]:
 
 
 def _architectures(library: Path) -> set[str]:
-    """sm_XX of the cubins embedded in a library (each cubin's ELF names its architecture)."""
+    """sm_XX named anywhere in a library (each cubin's ELF, and each PTX's .target, names its architecture)."""
     binary = library.read_bytes()
     return {f"sm_{arch}" for arch in (52, 60, 70, 75, 80, 86, 89, 90, 100, 120) if f"sm_{arch}".encode() in binary}
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the copy Triton ships (nvcc-only installs have none of their own)."""
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    try:
+        from triton import knobs
+
+        path = knobs.nvidia.cuobjdump.path
+    except (ModuleNotFoundError, AttributeError):
+        return None
+    return path if path and Path(path).is_file() else None
+
+
+CUOBJDUMP = _cuobjdump()
+
+
+def _embedded(library: Path) -> tuple[set[str], set[str]]:
+    """(architectures of the SASS cubins, architectures of the PTX) in a library's fat binary, by cuobjdump."""
+    listed = {}
+    for kind in ("elf", "ptx"):
+        lines = _run([CUOBJDUMP, f"--list-{kind}", str(library)]).stdout.splitlines()
+        listed[kind] = {match for line in lines for match in re.findall(r"\.(sm_\d+a?)\.(?:cubin|ptx)$", line.strip())}
+    return listed["elf"], listed["ptx"]
+
+
+def _check_fat_binary(library: Path) -> None:
+    """SASS for sm_80 and sm_90, and the PTX of sm_90 that a newer GPU's driver compiles (else it cannot load)."""
+    assert _architectures(library) == {"sm_80", "sm_90"}
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not found (neither the CUDA toolkit's nor Triton's): the embedded PTX was not listed")
+    assert _embedded(library) == ({"sm_80", "sm_90"}, {"sm_90"})
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +110,9 @@ def cmake_build(tmp_path_factory) -> tuple[Path, str]:
 
 
 @needs_nvcc
-def test_nvcc_builds_sm80_and_sm90_with_the_c_abi(nvcc_library):
+def test_nvcc_builds_sm80_and_sm90_and_ptx_with_the_c_abi(nvcc_library):
     assert set(ABI) <= _exported(nvcc_library)
-    assert _architectures(nvcc_library) == {"sm_80", "sm_90"}
+    _check_fat_binary(nvcc_library)
 
 
 @needs_nvcc
@@ -95,23 +129,25 @@ def test_the_binding_loads_the_library_and_validates_like_the_reference(nvcc_lib
         kernels.threshold_compaction(scores, torch.tensor([9]), -4.0, 2)
     with pytest.raises(InputError, match="one CUDA device"):
         kernels.kv_compaction(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, dtype=torch.int32))
+    with pytest.raises(InputError, match="indices must be below seq=8"):  # checked before the device, like lengths
+        kernels.kv_compaction(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.full((1, 2, 8), 8, dtype=torch.int32))
     with pytest.raises(ConfigError, match="no such kernel library"):
         CudaKernels(tmp_path / "missing.so")
 
 
 @needs_nvcc
 @pytest.mark.skipif(CMAKE is None, reason="cmake is not on PATH")
-def test_cmake_builds_the_kernels_for_sm80_and_sm90_by_default(cmake_build):
+def test_cmake_builds_the_kernels_for_sm80_and_sm90_and_ptx_by_default(cmake_build):
     build, configured = cmake_build
     library = build / "libkvzap_kernels.so"
     assert set(ABI) <= _exported(library)
-    # project() alone would pick nvcc's default architecture; the CMakeLists sets 80;90 before it.
-    assert _architectures(library) == {"sm_80", "sm_90"}
     if TRT_INCLUDE is None:
         assert "TensorRT headers not found" in configured and "no TensorRT plugin" in configured
         assert not list(build.glob("libkvzap_trt_plugin*.so"))
     else:
         assert (build / "libkvzap_trt_plugin.so").is_file()
+    # project() alone would pick nvcc's default architecture; the CMakeLists sets 80-real;90 before it.
+    _check_fat_binary(library)
 
 
 @needs_nvcc
@@ -181,6 +217,42 @@ def test_cuda_kernels_equal_the_reference(nvcc_library, dtype):
         assert torch.equal(k_out, ref_k) and torch.equal(v_out, ref_v)
     k_out, v_out = lib.kv_compaction(keys.cuda(), values.cuda(), ref.indices.cuda())  # the public binding
     assert torch.equal(k_out.cpu(), ref_k) and torch.equal(v_out.cpu(), ref_v)
+
+
+def _zeroed_out_of_range(indices: torch.Tensor, seq: int) -> torch.Tensor:
+    """The move's contract for any index: one outside [0, seq) is "none" (-1), a zero row, and reads nothing."""
+    return torch.where((indices >= 0) & (indices < seq), indices, -1)
+
+
+def test_the_out_of_range_contract_is_the_reference_on_in_range_indices():
+    """The host-side statement of the bound the GPU test below holds the CUDA move to."""
+    indices = torch.tensor([[[2, 7, -5, 3, 0]]])
+    assert _zeroed_out_of_range(indices, 4).tolist() == [[[2, -1, -1, 3, 0]]]
+    keys = torch.arange(40, dtype=torch.float32).reshape(1, 1, 5, 8)
+    k, _ = kv_compaction(keys[:, :, :4], keys[:, :, :4], _zeroed_out_of_range(indices[..., :4], 4))
+    assert torch.equal(k[0, 0, 0], keys[0, 0, 2]) and not k[0, 0, 1:3].any() and torch.equal(k[0, 0, 3], keys[0, 0, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kv_move_reads_nothing_for_out_of_range_indices(nvcc_library, dtype):
+    """Indices past a head's rows give zero rows: nothing is read.
+
+    keys, values and a tail of non-zero sentinels share one buffer, so an index past a head's rows that were read
+    would copy the next head's entries, the values or a sentinel instead of zeros (and 1 << 30 would fault)."""
+    lib = CudaKernels(nvcc_library)
+    batch, heads, seq, dim = 2, 3, 50, 64
+    gen = torch.Generator().manual_seed(2)
+    indices = torch.randint(-3, 2 * seq, (batch, heads, seq), generator=gen, dtype=torch.int32)
+    indices[..., 0], indices[..., 1] = 1 << 30, seq  # far past the allocation; the first row past the head
+    keys = torch.randn(batch, heads, seq, dim, generator=gen).to(dtype)
+    values = -keys
+    expected = kv_compaction(keys, values, _zeroed_out_of_range(indices, seq))
+    n = keys.numel()
+    shared = torch.cat([keys.flatten(), values.flatten(), torch.full((heads * seq * dim,), 7.0, dtype=dtype)]).cuda()
+    got = lib.launch_kv_compaction(shared[:n].view(keys.shape), shared[n: 2 * n].view(keys.shape), indices.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
 
 
 @pytest.mark.gpu

@@ -90,7 +90,7 @@ def test_build_of_a_missing_bundle_is_a_user_error(tmp_path, capsys):
 def test_build_help_names_every_option(capsys):
     assert main(["build", "--help"]) == 0
     text = capsys.readouterr().out
-    for option in ("--require-trt", "--plugin-lib", "--timing-cache", "--hardware-compat", "ampere+|same",
+    for option in ("--require-trt", "--plugin-lib", "--python-plugin", "--timing-cache", "--hardware-compat", "ampere+|same",
                    "--version-compatible", "--workspace-gib", "--max-batch", "--max-seq", "Examples"):
         assert option in text, option
 
@@ -220,6 +220,20 @@ def test_the_plugin_node_builds_with_the_plugin_library(bundle):
     assert manifest["engines"]["skipped"] == [] and manifest["engines"]["plugin_libraries"] == ["libkvzap_trt_plugin.so"]
     assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--plugin-lib", os.environ["KVZAP_TRT_PLUGIN_LIB"],
                  "--no-model-level", "--quiet"]) == 0
+    checks = {c["name"]: c for c in json.loads((bundle / "report" / "parity.json").read_text())["checks"]}
+    assert checks["operator:threshold_compaction_plugin:trt"]["status"] == "passed"
+
+
+@pytest.mark.trt
+@pytest.mark.gpu
+def test_the_plugin_node_builds_with_the_python_plugin_and_runs_without_it(bundle):
+    """The AOT plugin: built with Triton's PTX in the engine; validate runs it with no plugin library loaded."""
+    pytest.importorskip("triton", reason="the Python plugin compiles its kernel with Triton")
+    assert main(["build", str(bundle), "--require-trt", "--python-plugin"]) == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert any(a["kind"] == "trt_engine" and a["source"].endswith("_plugin.onnx") for a in manifest["artifacts"])
+    assert manifest["engines"]["skipped"] == [] and manifest["engines"]["plugin"] == "python-aot"
+    assert main(["validate", str(bundle), "--backends", "torch,onnxrt,trt", "--no-model-level", "--quiet"]) == 0
     checks = {c["name"]: c for c in json.loads((bundle / "report" / "parity.json").read_text())["checks"]}
     assert checks["operator:threshold_compaction_plugin:trt"]["status"] == "passed"
 

@@ -32,8 +32,9 @@ int kvzap_threshold_compaction(const void* scores, int scores_dtype, const int32
                                int keep_dtype, int32_t* counts, int32_t* indices, cudaStream_t stream);
 
 // keys/values [batch, heads, seq, head_dim], elements of elem_size bytes (2: bf16/fp16, 4: fp32); indices as
-// above. Each head's kept rows move to the front in order; the rest of keys_out/values_out is zero. Rows move
-// in 16-byte vectors when the row size and every pointer allow it. Outputs must not alias the inputs.
+// above. Each head's kept rows move to the front in order; the rest of keys_out/values_out is zero. An index
+// outside [0, seq) gives a zero row and reads nothing (memory-safe for any indices). Rows move in 16-byte
+// vectors when the row size and every pointer allow it. Outputs must not alias the inputs.
 int kvzap_kv_compaction(const void* keys, const void* values, const int32_t* indices, int batch, int heads, int seq,
                         int head_dim, int elem_size, void* keys_out, void* values_out, cudaStream_t stream);
 
