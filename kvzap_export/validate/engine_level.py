@@ -63,27 +63,46 @@ def load_prompts(path: str | None, reference: dict | None) -> list[dict]:
     return [{"text": t, "source": f"--prompts entry {i + 1}"} for i, t in enumerate(texts)]
 
 
-def _entries(reading: dict | None, key: str) -> int | None:
-    """K/V entries (one token of one KV head of one layer) from a reading."""
+def _entries(reading: dict | None, mode: str) -> int | None:
+    """K/V entries (one token of one KV head of one layer) a reading says are held: the per-head pool's in
+    ragged mode, else SGLang's allocator's slots times layers times KV heads."""
     if reading is None:
         return None
-    if key == "head_slots_held" and "head_slots_held" in reading:
-        return int(reading["head_slots_held"])
+    if mode == "ragged":
+        return int(reading["head_slots_held"]) if "head_slots_held" in reading else None
     return int(reading["slots_held"]) * int(reading["layers"]) * int(reading["kv_heads"])
+
+
+def _reading_problem(reading: dict | None, mode: str, decoding: bool | None) -> str | None:
+    """Why a reading does not come from the run it claims (decoding None: the KVzap-off run)."""
+    if reading is None:
+        return "no reading from the engine (the plugin did not record this request)"
+    if reading.get("mode") != mode:
+        return f"the reading comes from a {reading.get('mode')} server, not {mode}"
+    if decoding is None:
+        return "KVzap handled the request meant to run without it" if reading.get("kvzap") else None
+    if not reading.get("kvzap"):
+        return "KVzap left the request alone"
+    if reading.get("decoding") is not decoding:
+        return f"KVzap ran it with decoding={reading.get('decoding')}"
+    return None
 
 
 def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sources: list[str]) -> dict[str, Any]:
     """Per prompt and decoding setting: tokens vs the reference, KV held vs dense, from the driver's raw result."""
+    source = "the per-head pool's free list" if mode == "ragged" else "SGLang's allocator"
     dense = {r["prompt"]: r for r in raw["results"] if r["run"] == "off"}
     rows, problems = [], []
     for r in raw["results"]:
-        if r["run"] == "off":
+        decoding = None if r["run"] == "off" else r["run"] == "decoding"
+        why = _reading_problem(r["reading"], mode, decoding)
+        if why:
+            problems.append(f"prompt {r['prompt'] + 1} run {r['run']}: {why}")
+        if decoding is None:
             continue
-        decoding = r["run"] == "decoding"
         expected = lookup(reference, r["prompt_ids"], decoding, new_tokens)
         base = dense.get(r["prompt"])
-        held_key = "head_slots_held" if mode == "ragged" else "slots_held"
-        kv_held, kv_dense = _entries(r["reading"], held_key), _entries(base and base["reading"], "slots_held")
+        kv_held, kv_dense = _entries(r["reading"], mode), _entries(base and base["reading"], mode)
         decided = (r["reading"] or {}).get("decided_entries")
         row = {"prompt": r["prompt"], "source": sources[r["prompt"]], "prompt_ids": r["prompt_ids"],
                "output_ids": r["output_ids"], "decoding": decoding, "kv_held": kv_held, "kv_dense": kv_dense,
@@ -97,7 +116,7 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
                                          len(expected))
             problems.append(f"prompt {r['prompt'] + 1} decoding={decoding}: tokens differ from kvpress's at step "
                             f"{row['first_mismatch']}")
-        if mode in ("evict", "ragged") and decided is not None and kv_held is not None and decided != kv_held:
+        if mode in ("evict", "ragged") and decided is not None and kv_held != decided:
             problems.append(f"prompt {r['prompt'] + 1} decoding={decoding}: the engine holds {kv_held} entries, "
                             f"the decisions imply {decided}")
         rows.append(row)
@@ -110,14 +129,30 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
               "matching": sum(bool(row["matches_reference"]) for row in rows), "referenced": len(referenced),
               "kv_held": held, "kv_dense": dense_total, "freed_fraction": 1.0 - held / dense_total if dense_total else None,
               "compares": "SGLang greedy tokens (plugin loaded by its entry point) vs kvpress DMSPress(KVzapPress) greedy "
-                          "tokens computed with transformers and stored in the bundle; KV held read from SGLang's allocator"}
+                          f"tokens computed with transformers and stored in the bundle; KV held read from {source}"}
     if status == "skipped":
         result["reason"] = (f"no kvpress reference for {len(rows) - len(referenced)} of {len(rows)} runs "
                             "(prompts the model level did not store): tokens reported, not compared")
     result["summary"] = (f"{result['matching']}/{len(referenced)} runs with tokens identical to kvpress's "
                          f"({len(rows) - len(referenced)} without a reference); KV held {held} of {dense_total} entries "
-                         f"(freed {result['freed_fraction'] or 0.0:.1%}, read from SGLang's allocator)")
+                         f"(freed {result['freed_fraction'] or 0.0:.1%}, read from {source})")
     return result
+
+
+def check_reference(reference: dict | None, manifest: dict) -> None:
+    """A reference computed with other pruning settings or another surrogate than the bundle's is refused."""
+    if reference is None:
+        return
+    press, pruning = reference.get("press", {}), manifest["pruning"]
+    stale = [f"{name} {press.get(key)!r} vs {ours!r}" for name, key, ours in (
+        ("threshold", "threshold", pruning["threshold"]), ("window", "sliding_window_size", pruning["window"]),
+        ("variant", "variant", manifest["surrogate"]["variant"])) if press.get(key) != ours]
+    theirs, ours = press.get("surrogate_sha256"), manifest["surrogate"].get("sha256")
+    if theirs and ours and theirs != ours:
+        stale.append("surrogate weights differ")
+    if stale:
+        raise ConfigError(f"the bundle's kvpress reference (report/reference.json) does not match its manifest "
+                          f"({'; '.join(stale)}); re-run `kvzap-export validate BUNDLE` to recompute it")
 
 
 def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model: str | None, prompts: str | None = None,
@@ -134,6 +169,7 @@ def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model
     if manifest["dtype"] != "float32":
         raise ConfigError(f"the engine level runs in float32 against the float32 reference; this bundle is {manifest['dtype']}")
     reference = read_reference(bundle)
+    check_reference(reference, manifest)
     chosen = load_prompts(prompts, reference)
     stored = reference["max_new_tokens"] if reference else DEFAULT_NEW_TOKENS
     new_tokens = new_tokens or stored

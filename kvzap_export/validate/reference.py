@@ -66,7 +66,8 @@ def new_reference(manifest: dict, model: str, dtype: str, new_tokens: int) -> di
             "model": model_label(model), "dtype": dtype, "tools": _tools(),
             "press": {"class": "DMSPress(KVzapPress)", "threshold": pruning["threshold"],
                       "sliding_window_size": pruning["window"], "variant": manifest["surrogate"]["variant"],
-                      "surrogate": manifest["surrogate"].get("path", "surrogate")},
+                      "surrogate": manifest["surrogate"].get("path", "surrogate"),
+                      "surrogate_sha256": manifest["surrogate"].get("sha256")},
             "max_new_tokens": new_tokens, "prompts": []}
 
 

@@ -22,9 +22,14 @@ def reading(slots, decided=None, layers=2, heads=2, **extra):
     return out
 
 
-def raw(outputs: dict, readings: dict) -> dict:
-    results = [{"prompt": 0, "prompt_ids": [1, 2, 3], "run": run, "output_ids": outputs[run], "reading": readings[run]}
-               for run in ("off", "prefill", "decoding")]
+def raw(outputs: dict, readings: dict, mode: str = "evict") -> dict:
+    """The driver's result; each reading says which run it comes from, as the plugin writes it."""
+    results = []
+    for run in ("off", "prefill", "decoding"):
+        line = readings[run]
+        if line is not None:
+            line = {"mode": mode, "kvzap": run != "off", "decoding": None if run == "off" else run == "decoding", **line}
+        results.append({"prompt": 0, "prompt_ids": [1, 2, 3], "run": run, "output_ids": outputs[run], "reading": line})
     return {"engine": {"sglang": "0.5.23"}, "results": results}
 
 
@@ -40,7 +45,7 @@ def test_identical_tokens_pass_and_kv_comes_from_the_readings():
 
 def test_a_different_token_fails_and_says_where():
     r = raw({"off": [7, 8, 9, 10], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 9, 10]},
-            {"off": reading(6), "prefill": reading(6, 24), "decoding": reading(6, 24)})
+            {"off": reading(6), "prefill": reading(6, 24), "decoding": reading(6, 24)}, mode="mask")
     result = summarize(r, REFERENCE, "mask", 4, ["a"])
     assert result["status"] == "failed" and "at step 2" in result["problems"][0]
     assert next(row for row in result["prompts"] if row["decoding"])["first_mismatch"] == 2
@@ -55,14 +60,16 @@ def test_held_entries_that_differ_from_the_decisions_fail():
 
 def test_ragged_mode_reads_the_per_head_pool():
     r = raw({"off": [7, 8, 9, 11], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 5, 5]},
-            {"off": reading(6), "prefill": reading(0, 13, head_slots_held=13),
-             "decoding": reading(0, 11, head_slots_held=11)})
+            {"off": reading(6, head_slots_held=24), "prefill": reading(6, 13, head_slots_held=13),
+             "decoding": reading(6, 11, head_slots_held=11)}, mode="ragged")
     result = summarize(r, REFERENCE, "ragged", 4, ["a"])
+    # the per-head pool for both: SGLang's slot ids carry no K/V in this mode
     assert result["status"] == "passed" and result["kv_held"] == 24 and result["kv_dense"] == 48
 
 
 def test_without_a_reference_nothing_is_called_passed():
-    r = raw({"off": [1], "prefill": [2], "decoding": [3]}, {"off": reading(1), "prefill": reading(1), "decoding": reading(1)})
+    r = raw({"off": [1], "prefill": [2], "decoding": [3]}, {"off": reading(1), "prefill": reading(1), "decoding": reading(1)},
+            mode="mask")
     result = summarize(r, None, "mask", 1, ["--prompts entry 1"])
     assert result["status"] == "skipped" and all(row["matches_reference"] is None for row in result["prompts"])
     assert "no kvpress reference" in result["reason"]
@@ -82,3 +89,30 @@ def test_prompts_and_engine_python_are_checked(tmp_path, monkeypatch):
     monkeypatch.delenv("KVZAP_SGLANG_PYTHON", raising=False)
     with pytest.raises(ConfigError, match="no such interpreter"):
         engine_python(str(tmp_path / "python"))
+
+
+@pytest.mark.parametrize("broken, says", [
+    ({"decoding": None}, "no reading from the engine"),
+    ({"decoding": {"slots_held": 5, "layers": 2, "kv_heads": 2, "mode": "evict", "kvzap": False}}, "left the request alone"),
+    ({"prefill": {"slots_held": 6, "layers": 2, "kv_heads": 2, "mode": "evict", "kvzap": True, "decoding": True,
+                  "decided_entries": 24}}, "decoding=True"),
+    ({"off": {"slots_held": 6, "layers": 2, "kv_heads": 2, "mode": "mask", "kvzap": False}}, "mask server"),
+])
+def test_tokens_without_a_matching_kvzap_reading_never_pass(broken, says):
+    """kvpress's tokens can equal dense ones: matching tokens alone would pass a server where KVzap never ran."""
+    r = raw({"off": [7, 8, 9, 11], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 5, 5]},
+            {"off": reading(6), "prefill": reading(6, 24), "decoding": reading(5, 20)})
+    for run, line in broken.items():
+        next(x for x in r["results"] if x["run"] == run)["reading"] = line
+    result = summarize(r, REFERENCE, "evict", 4, ["a"])
+    assert result["status"] == "failed" and any(says in p for p in result["problems"]), result["problems"]
+
+
+def test_a_reference_from_other_settings_is_refused():
+    from kvzap_export.validate.engine_level import check_reference
+
+    manifest = {"pruning": {"threshold": -4.0, "window": 128}, "surrogate": {"variant": "mlp", "sha256": "aa"}}
+    good = {"press": {"threshold": -4.0, "sliding_window_size": 128, "variant": "mlp", "surrogate_sha256": "aa"}}
+    check_reference(good, manifest)
+    with pytest.raises(ConfigError, match="threshold -3.0 vs -4.0.*surrogate weights differ"):
+        check_reference({"press": {**good["press"], "threshold": -3.0, "surrogate_sha256": "bb"}}, manifest)

@@ -48,6 +48,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.plugins.hook_registry", "HookRegistry.register", "method", ("cls", "target", "hook", "hook_type")),
     ApiName("sglang.srt.plugins.hook_registry", "HookType.BEFORE", "field"),
     ApiName("sglang.srt.plugins.hook_registry", "HookType.AFTER", "field"),
+    ApiName("sglang.srt.plugins.hook_registry", "HookType.AROUND", "field"),
     # scoring: the attention modules whose forward receives the post-norm hidden states
     ApiName("sglang.srt.models.llama", "LlamaAttention.forward", "method", ("self", "positions", "hidden_states", "forward_batch")),
     ApiName("sglang.srt.models.llama", "LlamaAttention.attn", "field"),
@@ -57,6 +58,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.tp_q_head_num", "field"),
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.tp_k_head_num", "field"),
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.scaling", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.is_cross_attention", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.sliding_window_size", "field"),
     # forward batch
     ApiName(_FB, "ForwardBatch.init_new", "method", ("cls", "batch", "model_runner")),
     ApiName(_FB, "ForwardBatch.forward_mode", "field"),
@@ -91,6 +94,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "Req.sampling_params", "field"),
     ApiName(_SB, "Req.finished", "method", ("self",)),
     ApiName(_SB, "Req.beam_group", "field"),
+    ApiName(_SB, "Req.to_finish", "field"),
+    ApiName(_SB, "FINISH_ABORT.__init__", "method", ("self", "message", "status_code", "err_type")),
     ApiName(_SB, "Req.session", "field"),
     ApiName("sglang.srt.sampling.sampling_params", "SamplingParams.custom_params", "field"),
     ApiName("sglang.srt.session.session_controller", "Session.streaming", "field"),
@@ -123,6 +128,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.runtime_context", "get_parallel", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_disagg", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_exec", "function", ()),
+    ApiName("sglang.srt.model_executor.cuda_graph_config", "cuda_graph_fully_disabled", "function", ()),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.decode_attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.prefill_attention_backend", "field"),
@@ -149,10 +155,14 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_NATIVE, "TorchNativeAttnBackend.forward_decode", "method", ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache")),
     ApiName(_NATIVE, "TorchNativeAttnBackend.token_to_kv_pool", "field"),
     ApiName(_NATIVE, "TorchNativeAttnBackend.req_to_token_pool", "field"),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.use_sliding_window_kv_pool", "field"),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.forward_extend", "method", ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache")),
     # ragged mode: SGLang's pool, allocator and request pool built through these
-    ApiName("sglang.srt.platforms.interface", "SRTPlatform.get_kv_pool_cls", "method", ("self",)),
+    ApiName("sglang.srt.platforms.interface", "SRTPlatform.get_kv_pool_cls", "method", ("self", "kind")),
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._build_token_to_kv_pool_allocator",
-            "method", ("self",)),
+            "method", ("self", "sizes", "token_to_kv_pool")),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "_PoolSizes.max_total_num_tokens", "field"),
+    ApiName("sglang.srt.beam_search.coordinator", "BeamCoordinator.validate_and_init", "method", ("self", "req", "recv_req")),
     ApiName(_POOL, "NoOpMHATokenToKVPool", "class"),
     ApiName(_POOL, "NoOpMHATokenToKVPool._finalize_allocation_log", "method", ("self", "num_tokens")),
     ApiName(_POOL, "MHATokenToKVPool.layer_num", "field"),
@@ -177,7 +187,21 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.v_head_dim", "field"),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.token_to_kv_pool_allocator", "field"),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.req_to_token_pool", "field"),
+    # the offline engine the driver runs (validate --engine, bench --engine)
+    ApiName("sglang", "Engine", "name"),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.generate", "method", ("self", "prompt", "sampling_params", "input_ids")),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.async_generate", "method", ("self", "prompt", "sampling_params", "input_ids")),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.shutdown", "method", ("self",)),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.tokenizer_manager", "field"),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.loop", "field"),
+    ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.abort_request", "method", ("self", "rid")),
+    ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.tokenizer", "field"),
 )
+
+# What SGLang's ReqToTokenPool calls on an attached aux cache (ragged.StoreRows implements it): checked in the
+# 0.5.23 source of ``ReqToTokenPool`` by tests/integrations/sglang/test_api.py.
+AUX_CACHE_PROTOCOL = ("alloc_to_lengths(", "req_pool_indices_cpu=", "target_seq_lens_cpu=", ".free(", ".clear()",
+                      ".reset_allocator()", ".dense_capacity")
 
 _API = {api.qualname: api for api in SGLANG_API}
 # The attention classes whose forward the scoring hook wraps (add yours: same (positions, hidden_states,

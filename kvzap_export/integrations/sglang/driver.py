@@ -35,6 +35,7 @@ BASE_ENGINE_ARGS = {
     "chunked_prefill_size": -1, "log_level": "warning", "skip_server_warmup": True,
 }
 MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
+GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"}  # dense: SGLang's default
 
 
 def engine_args(spec: dict) -> dict:
@@ -43,6 +44,8 @@ def engine_args(spec: dict) -> dict:
         # SGLang's default static-memory fraction comes out negative on a CPU with other work on it; the KV
         # pool's size is set by max_total_tokens anyway.
         args.update(device="cpu", attention_backend=MODE_ATTENTION[spec["mode"]], mem_fraction_static=0.5)
+    elif spec["mode"] in GPU_ATTENTION:
+        args["attention_backend"] = GPU_ATTENTION[spec["mode"]]
     args.update(spec.get("engine") or {})
     return args
 
@@ -120,7 +123,10 @@ def stream(spec: dict) -> dict:
                 engine.tokenizer_manager.abort_request(rid)
             asyncio.ensure_future(abort())
         t0 = time.perf_counter()
-        out = await engine.async_generate(input_ids=request["input_ids"], sampling_params=params, rid=rid)
+        try:
+            out = await engine.async_generate(input_ids=request["input_ids"], sampling_params=params, rid=rid)
+        except ValueError as exc:  # SGLang raises a request's abort message (e.g. a 400) in the caller
+            return {"rid": rid, "output_ids": [], "finish": "abort", "error": str(exc), "seconds": time.perf_counter() - t0}
         return {"rid": rid, "output_ids": list(out.get("output_ids") or []),
                 "finish": (out["meta_info"].get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0}
 

@@ -40,10 +40,10 @@ def masked_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """One decode step of attention where each KV head sees only its visible entries.
 
     q: [batch, q_heads, head_dim]; k_cache / v_cache: [slots, kv_heads, head_dim]; rows: per request, int
-    slot ids [kv_len_b]; visible: per request, bool [kv_heads, kv_len_b]. Returns [batch, q_heads, head_dim].
+    slot ids [kv_len_b]; visible: per request, bool [kv_heads, kv_len_b]. Returns [batch, q_heads, v_head_dim].
     A head with nothing visible would be undefined; the window keeps the newest tokens, so it never happens.
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     q_heads, kv_heads = q.shape[1], k_cache.shape[1]
     group = q_heads // kv_heads
     for b, (row, vis) in enumerate(zip(rows, visible)):
@@ -63,8 +63,10 @@ def native_backend_class(runtime):
 
     class KVzapNativeAttnBackend(base):
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-            if layer.is_cross_attention or layer.qk_head_dim != layer.v_head_dim:
-                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            if layer.is_cross_attention or self.use_sliding_window_kv_pool or (
+                    layer.sliding_window_size is not None and layer.sliding_window_size > -1):
+                raise SystemExit("kvzap-export: KVzap's masking backend serves plain causal self-attention (no "
+                                 f"cross-attention, no sliding window); layer {layer.layer_id} is not one")
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
             rt = runtime()

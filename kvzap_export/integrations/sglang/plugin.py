@@ -75,6 +75,22 @@ def _backends(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (), ()
 
 
+def one_line(hook):
+    """A hook whose ``KvzapError`` stops the process with one line: SGLang would log a traceback (or report a
+    failed graph capture) and signal its parent, burying what the operator has to change."""
+    import functools
+
+    @functools.wraps(hook)
+    def wrapped(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except KvzapError as exc:
+            raise SystemExit(f"kvzap-export: {exc}") from None
+
+    return wrapped
+
+
+@one_line
 def _score_hook(attention, *args, **kwargs):
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
     forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else args[2]
@@ -85,20 +101,15 @@ def _score_hook(attention, *args, **kwargs):
     rt.score(attention.attn.layer_id, hidden, forward_batch)
 
 
+@one_line
 def _scheduler_built_hook(result, scheduler, *args, **kwargs):
-    """Checks the server's settings once the scheduler exists; a wrong one stops the launch with one line.
-
-    SystemExit rather than an exception: SGLang logs a scheduler's exception with its traceback and signals
-    its parent; the one line is what the operator needs.
-    """
+    """Checks the server's settings once the scheduler exists; a wrong one stops the launch with one line."""
     rt = runtime()
-    try:
-        rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
-    except KvzapError as exc:
-        raise SystemExit(f"kvzap-export: {exc}") from None
+    rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
     return result
 
 
+@one_line
 def _step_end_hook(scheduler, batch, *args, **kwargs):
     rt = runtime()
     if rt.setup is None:  # a scheduler built before the plugin's hooks were applied
@@ -106,33 +117,42 @@ def _step_end_hook(scheduler, batch, *args, **kwargs):
     rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
 
 
+@one_line
 def _positions_hook(result, *args, **kwargs):
     runtime().shift_positions(result)
 
 
+@one_line
 def _idle_hook(result, scheduler, *args, **kwargs):
     rt = runtime() if _CONFIG is not None else None
-    readings = rt.stats if rt is not None else _STATS
+    readings = rt.stats if rt is not None else _readings_only()
     if readings is not None and scheduler.is_fully_idle():
         readings.record_idle(scheduler, rt)
     return result
 
 
-_STATS = None  # readings of a server without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not)
+_STATS: list = []  # [readings] of a server without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use
+
+
+def _readings_only():
+    """This process's readings without KVzap: tensor-parallel rank 0 writes, the others do not."""
+    if not _STATS:
+        from kvzap_export.integrations.sglang.stats import AllocatorReadings
+
+        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
+        _STATS.append(AllocatorReadings.from_env(group.rank_in_group if group is not None else 0))
+    return _STATS[0]
 
 
 def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
-    if batch.forward_mode.is_extend() or batch.forward_mode.is_decode():
-        _STATS.record(batch)
+    readings = _readings_only()
+    if readings is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()):
+        readings.record(batch)
 
 
 def install_readings_only() -> None:
     """Readings of SGLang's allocator without KVzap (the dense baseline; ``KVZAP_STATS`` without a bundle)."""
-    global _STATS
-    from kvzap_export.integrations.sglang.stats import AllocatorReadings
-
     hooks = sglang_module("sglang.srt.plugins.hook_registry")
-    _STATS = AllocatorReadings.from_env()
     hooks.HookRegistry.register(api("Scheduler.process_batch_result").target, _dense_step_end_hook, hooks.HookType.BEFORE)
     hooks.HookRegistry.register(api("Scheduler.on_idle").target, _idle_hook, hooks.HookType.AFTER)
 

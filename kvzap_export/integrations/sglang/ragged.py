@@ -108,6 +108,10 @@ def allocator_class():
         store: RaggedStore | None = None
         entries_per_token = 1
 
+        def logical_available(self) -> int:
+            """Free logical slot ids (SGLang's own free list)."""
+            return super().available_size()
+
         def available_size(self):
             slots = super().available_size()
             if self.store is None:
@@ -121,6 +125,19 @@ def _pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):
     if kind == "mha":
         return placeholder_pool_class()
     return original_fn(platform, *args, kind=kind, **kwargs)
+
+
+def _one_line(hook):
+    from kvzap_export.integrations.sglang.plugin import one_line
+
+    return one_line(hook)
+
+
+def _beam_hook(original_fn, coordinator, req, *args, **kwargs):
+    """Beam requests are refused (a 400 for that request): beams copy and remap each other's slot rows, which
+    per-head rows do not follow. SGLang aborts the request with the string this returns."""
+    return ("KVzap's ragged mode does not serve beam search: beams share and remap their KV rows, which the "
+            "per-head store does not follow; use KVZAP_MODE=mask or evict for beam requests")
 
 
 def _allocator_hook(original_fn, configurator, *args, **kwargs):
@@ -152,10 +169,19 @@ def backend_class():
         def __init__(self, model_runner):
             super().__init__(model_runner)
             allocator = model_runner.token_to_kv_pool_allocator
-            self.store = current_store()
+            try:
+                self.store = current_store()
+            except ConfigError as exc:
+                raise SystemExit(f"kvzap-export: {exc}") from None
             requests = model_runner.req_to_token_pool
             if requests._aux_cache is None:
                 requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens))
+
+        @staticmethod
+        def _check_save(save_kv_cache, k) -> None:
+            if not save_kv_cache or k is None:  # nothing else writes the store: those entries would stay empty
+                raise SystemExit("kvzap-export: KVzap's ragged mode needs the attention backend to store K/V; this "
+                                 "model writes its KV cache itself (e.g. fused ROCm paths): use KVZAP_MODE=mask")
 
         def _write(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             """k, v: [n, kv_heads, D] of this forward's tokens of one request -> the last n entries of each head."""
@@ -170,11 +196,11 @@ def backend_class():
             q3 = q.reshape(-1, hq, d)
             out = q.new_empty(q3.shape[0], hq, dv)
             rows = forward_batch.req_pool_indices.tolist()
+            self._check_save(save_kv_cache, k)
+            k3, v3 = k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
             start = 0
             for row, prefix, n in zip(rows, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu):
-                if save_kv_cache and k is not None:
-                    self._write(row, layer.layer_id, k.reshape(-1, hk, d)[start: start + n],
-                                v.reshape(-1, hk, dv)[start: start + n])
+                self._write(row, layer.layer_id, k3[start: start + n], v3[start: start + n])
                 ids, positions, lengths = self.store.gather(row, layer.layer_id)
                 out[start: start + n] = ragged_extend_attention(
                     q3[start: start + n], self.store.k, self.store.v, ids, positions, lengths,
@@ -187,10 +213,10 @@ def backend_class():
 
             hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
             rows = forward_batch.req_pool_indices.tolist()
-            if save_kv_cache and k is not None:
-                k3, v3 = k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
-                for b, row in enumerate(rows):
-                    self._write(row, layer.layer_id, k3[b: b + 1], v3[b: b + 1])
+            self._check_save(save_kv_cache, k)
+            k3, v3 = k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
+            for b, row in enumerate(rows):
+                self._write(row, layer.layer_id, k3[b: b + 1], v3[b: b + 1])
             views = [self.store.gather(row, layer.layer_id) for row in rows]
             width = max(1, max(int(view[2].max()) for view in views))
             ids = torch.full((len(rows), hk, width), -1, dtype=torch.int64, device=self.store.k.device)
@@ -208,7 +234,9 @@ def register(register_hook, kind) -> None:
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
     register_hook(api("SRTPlatform.get_kv_pool_cls").target, _pool_class_hook, kind.AROUND)
-    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target, _allocator_hook, kind.AROUND)
+    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target, _one_line(_allocator_hook),
+                  kind.AROUND)
+    register_hook(api("BeamCoordinator.validate_and_init").target, _beam_hook, kind.AROUND)
     backend = backend_class()
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from http import HTTPStatus
 
 import torch
 
 from kvzap_export.errors import ConfigError, InputError
 from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states
+from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.server_setup import ServerSetup
 
 log = logging.getLogger(__name__)
@@ -181,9 +183,19 @@ class KVzapSGLang:
             self.offsets[idx] = 0
 
     def _start(self, req, idx: int, capacity: int) -> RequestState | None:
-        """A new request on row ``idx``: its state, or None when it is left alone."""
+        """A new request on row ``idx``: its state, or None when it is left alone.
+
+        A request whose ``custom_params["kvzap"]`` is not understood is aborted with a 400 (its own error),
+        never raised here: an exception in the step end would stop the whole scheduler.
+        """
         reason = shared_kv_reason(req)
-        choice = request_choice(req, self.default_choice)
+        try:
+            choice = request_choice(req, self.default_choice)
+        except InputError as exc:
+            abort = sglang_module("sglang.srt.managers.schedule_batch").FINISH_ABORT
+            req.to_finish = abort(f"KVzap: {exc}", HTTPStatus.BAD_REQUEST, "BadRequestError")
+            self._bypass(req, idx, str(exc))
+            return None
         if reason is None and choice == "off":
             reason = f'it asked for custom_params["{REQUEST_KEY}"]="off"'
         if reason is not None:

@@ -24,8 +24,9 @@ class ServerSetup:
     dequantized copies and its scales would stay behind), and when the step end runs before the next batch
     is prepared (no overlap). Every mode needs every layer in this process (no pipeline parallelism), ranks
     that schedule the same requests (no attention data parallelism), a cache that stays on this server (no
-    prefill/decode disaggregation, whose transfers read logical lengths) and Python hooks that run at every
-    step (no speculative decoding, no CUDA graphs: those are refused where they are captured).
+    prefill/decode disaggregation, whose transfers read logical lengths), Python hooks that run at every
+    step (no speculative decoding, no CUDA or CPU graphs) and decode rows that go through the decode path
+    (no mixed chunks: the masking backends mask decode, not extend).
     """
 
     radix_cache: bool
@@ -43,6 +44,7 @@ class ServerSetup:
     kv_slots: int  # slot ids the allocator hands out (pool or allocator size, the larger, + padding page)
     prefill_backend: str = ""  # the attention backends in effect (``--attention-backend`` unless overridden)
     decode_backend: str = ""
+    graphs: bool = False  # CUDA (or CPU) graphs captured for some phase
 
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
@@ -51,6 +53,7 @@ class ServerSetup:
         allocator = scheduler.token_to_kv_pool_allocator
         kv = allocator.get_kvcache()
         kernel = context.get_exec().kernel
+        graphs = not sglang_module("sglang.srt.model_executor.cuda_graph_config").cuda_graph_fully_disabled()
         backend = kernel.attention_backend or ""
         return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
@@ -60,7 +63,7 @@ class ServerSetup:
                    disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
                    kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(max(kv.size, allocator.size) + kv.page_size),
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
-                   decode_backend=str(kernel.decode_attention_backend or backend))
+                   decode_backend=str(kernel.decode_attention_backend or backend), graphs=graphs)
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
         """Each setting that is wrong for ``mode``, with the flag that fixes it.
@@ -73,6 +76,9 @@ class ServerSetup:
             out.append("the radix cache is on (add --disable-radix-cache)")
         if self.overlap:
             out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
+        if self.graphs:
+            out.append("graphs are captured (add --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill "
+                       "disabled: graph replay skips KVzap's Python hooks)")
         if self.speculative:
             out.append("speculative decoding is on (drop --speculative-algorithm)")
         if self.unified_memory:
@@ -90,8 +96,9 @@ class ServerSetup:
             if allowed and chosen not in allowed:
                 out.append(f"the {phase} attention backend is {chosen or 'the default'} "
                            f"(use --attention-backend {' or '.join(allowed)})")
-        if mode == "mask" and self.mixed_chunk:
-            out.append("mixed chunks run decode rows as dense extends, unmasked (drop --enable-mixed-chunk)")
+        if self.mixed_chunk:
+            out.append("mixed chunks run decode rows through the extend path, which KVzap does not mask "
+                       "(drop --enable-mixed-chunk)")
         if mode in ("evict", "ragged") and self.page_size != 1:
             out.append(f"the page size is {self.page_size} (use --page-size 1: entries are freed one by one)")
         if mode in ("evict", "ragged") and (self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES):

@@ -4,11 +4,12 @@ Opt-in with ``KVZAP_STATS=FILE`` (JSON lines, appended by the scheduler process 
 it works with KVzap on (any mode) and off (``KVZAP_BUNDLE`` unset: a dense SGLang's readings, the baseline
 of the SGLang engine benchmark). The numbers come from the engine's pools, never from KVzap's decisions:
 
-- ``slots_held``: token slots SGLang's allocator has handed out, ``size - available_size()`` (one slot holds
-  every layer and KV head of one token: the dense layout and evict mode); ``row_slots``: the request's own
-  slots by SGLang's bookkeeping (``kv_allocated_len``);
+- ``slots_held``: token slots SGLang's allocator has handed out, ``size`` minus its free slot ids (one slot
+  holds every layer and KV head of one token in the dense layout and evict mode; in ragged mode slot ids
+  carry no K/V); ``row_slots``: the request's own slots by SGLang's bookkeeping (``kv_allocated_len``, which
+  evict mode itself lowers when it frees the tail); ``available_to_scheduler``: ``available_size()``;
 - ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list)
-  and ``row_head_slots`` (the request's rows).
+  and ``row_head_slots`` (the lengths of the request's rows in the store's tables).
 
 Per-request lines also carry what the glue's decisions imply (``decided_entries``: the state's kept counts),
 so that the two can be compared. Idle lines (``"event": "idle"``, written once each time the scheduler
@@ -46,7 +47,10 @@ class AllocatorReadings:
     def _pool(allocator, rt) -> dict:
         kv = allocator.get_kvcache()
         size = int(allocator.size)
-        out = {"pool_slots": size, "slots_held": size - int(allocator.available_size()),
+        # SGLang's own free list of slot ids. In ragged mode the allocator's available_size() is the per-head
+        # pool's room in dense tokens (what admission sees); the slot ids themselves carry no K/V there.
+        free = allocator.logical_available() if hasattr(allocator, "logical_available") else allocator.available_size()
+        out = {"pool_slots": size, "slots_held": size - int(free), "available_to_scheduler": int(allocator.available_size()),
                "layers": int(kv.layer_num), "kv_heads": int(kv.head_num)}
         if rt is not None:
             out.update(rt.pool_readings(None))

@@ -103,7 +103,8 @@ def has_field(cls: ast.ClassDef, name: str) -> bool:
 
 
 def param_names(fn: ast.FunctionDef) -> list[str]:
-    return [a.arg for a in fn.args.posonlyargs + fn.args.args]
+    """Positional parameters, then keyword-only ones (hooks that receive keywords rely on those too)."""
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
 
 
 def problem(source: Source, api: glue.ApiName) -> str | None:
@@ -171,6 +172,20 @@ def test_glue_uses_only_listed_names():
     listed = {a.qualname for a in glue.SGLANG_API}
     assert used and used <= listed, used - listed
     assert len(listed) == len(glue.SGLANG_API), "duplicate qualnames in SGLANG_API"
+
+
+def test_req_to_token_pool_calls_what_the_ragged_rows_implement(wheel):
+    """SGLang calls these on an aux cache attached to its ReqToTokenPool; ragged.StoreRows implements each."""
+    from kvzap_export.integrations.sglang.api import AUX_CACHE_PROTOCOL
+    from kvzap_export.integrations.sglang.ragged import StoreRows
+
+    source = wheel.read("sglang/srt/mem_cache/memory_pool.py").decode()
+    start = source.index("class ReqToTokenPool")
+    body = source[start: source.index("\nclass ", start + 1)]
+    assert all(call in body for call in AUX_CACHE_PROTOCOL), [c for c in AUX_CACHE_PROTOCOL if c not in body]
+    for name in ("alloc_to_lengths", "free", "clear", "reset_allocator"):
+        assert callable(getattr(StoreRows, name))
+    assert "dense_capacity" in StoreRows.__init__.__code__.co_names
 
 
 def test_checker_catches_drift(wheel):

@@ -22,6 +22,7 @@ from kvzap_export.cli.main import main
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 PROMPTS, NEW_TOKENS = 2, 24
+ENTRIES_PER_TOKEN = {"smollm2": 30 * 3, "qwen3": 4 * 2}  # layers x KV heads
 
 
 def _bundle(root, model_dir, model, **options):
@@ -87,7 +88,8 @@ def test_mask_mode_gives_kvpress_tokens_and_frees_nothing(request, capsys, which
     code, result = engine_level(capsys, model, bundle, "mask")
     assert code == 0, why(result)
     check_against_kvpress(result, reference_prompts(bundle))
-    assert all(r["kv_held"] == r["kv_dense"] > 0 for r in result["prompts"])
+    for row in result["prompts"]:  # every token of every head, read from SGLang's allocator
+        assert row["kv_held"] == row["kv_dense"] == (len(row["prompt_ids"]) + NEW_TOKENS - 1) * ENTRIES_PER_TOKEN[which]
     assert (bundle / "report" / "engine-sglang-mask.md").read_text().startswith("# Engine level: sglang (mask mode) ✓ passed")
 
 
@@ -112,20 +114,24 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
     assert code == 0, why(result)
     check_against_kvpress(result, reference_prompts(bundle))
     for row in result["prompts"]:  # read from the per-head pool's free list, one request at a time
-        assert row["kv_held"] == row["decided_entries"] < row["kv_dense"]
+        dense = (len(row["prompt_ids"]) + NEW_TOKENS - 1) * ENTRIES_PER_TOKEN[which]
+        assert row["kv_held"] == row["decided_entries"] < row["kv_dense"] == dense
     if which == "smollm2":  # τ = -4, where one count per request frees 0%: per-head storage frees a third or more
         assert result["freed_fraction"] > 0.3
 
 
-def test_flex_backend_runs_in_the_cpu_engine(qwen3):
+def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
+    """The other mask backend (flex attention, eager on the CPU), with prompts prefilled in 64-token chunks
+    (decisions wait for the last chunk, so the tokens are still kvpress's)."""
     from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.validate.engine_level import run_engine_level
     from tests.conftest import sglang_python
 
     model, bundle = qwen3
     result = run_engine_level(bundle, read_manifest(bundle), "sglang", "mask", str(model), python=sglang_python(),
-                              engine_args={"attention_backend": "kvzap_flex"})
+                              engine_args={"attention_backend": "kvzap_flex", "chunked_prefill_size": 64})
     assert result["engine_info"]["args"]["attention_backend"] == "kvzap_flex"
+    assert result["engine_info"]["args"]["chunked_prefill_size"] == 64
     check_against_kvpress(result, reference_prompts(bundle))
 
 
@@ -134,6 +140,8 @@ def test_flex_backend_runs_in_the_cpu_engine(qwen3):
      ["the radix cache is on (add --disable-radix-cache)", "the page size is 4 (use --page-size 1"]),
     ("mask", {"attention_backend": "torch_native", "enable_mixed_chunk": True},
      ["the decode attention backend is torch_native", "(drop --enable-mixed-chunk)"]),
+    ("ragged", {"disable_radix_cache": False, "disable_overlap_schedule": False},
+     ["the radix cache is on (add --disable-radix-cache)", "the overlap scheduler is on (add --disable-overlap-schedule)"]),
 ])
 def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, named):
     from kvzap_export.bundle.manifest import read_manifest
@@ -194,6 +202,7 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
         if i % 5 == 0:
             request["abort_after"] = rng.uniform(0.05, 1.5)
         stream.append(request)
+    stream[7]["kvzap"] = "bogus"  # a bad request parameter aborts that request only, never the server
     spec = {"model": str(model), "bundle": str(bundle), "mode": "ragged", "stream": stream,
             "engine": {"max_total_tokens": 1500, "max_running_requests": 12}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -204,10 +213,11 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
     out = json.loads((tmp_path / "out.json").read_text())
     finishes = [r["finish"] for r in out["stream"]]
     assert len(finishes) == 200 and finishes.count("abort") >= 5, finishes
+    assert finishes[7] == "abort" and finishes.count("length") >= 100
     steps = [r for r in out["readings"] if r.get("event") != "idle"]
     assert max(r["running_requests"] for r in steps) > 1  # requests really shared the pool
     assert max(r["head_slots_held"] for r in steps) > 0.5 * steps[0]["head_slots_pool"]  # and filled it
     idle = [r for r in out["readings"] if r.get("event") == "idle"]
     assert idle and idle[-1]["t"] > max(r["t"] for r in steps)
     assert idle[-1]["head_slots_free"] == idle[-1]["head_slots_pool"] and idle[-1]["head_slots_held"] == 0
-    assert idle[-1]["rows"] == 0
+    assert idle[-1]["rows"] == 0 and idle[-1]["slots_held"] == 0  # SGLang's slot ids all came back too
