@@ -43,7 +43,9 @@ def engine_args(spec: dict) -> dict:
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         # SGLang's default static-memory fraction comes out negative on a CPU with other work on it; the KV
         # pool's size is set by max_total_tokens anyway.
-        args.update(device="cpu", attention_backend=MODE_ATTENTION[spec["mode"]], mem_fraction_static=0.5)
+        # (an unknown mode keeps SGLang's CPU backend: the plugin, loaded by the engine, names what is wrong)
+        args.update(device="cpu", attention_backend=MODE_ATTENTION.get(spec["mode"], "torch_native"),
+                    mem_fraction_static=0.5)
     elif spec["mode"] in GPU_ATTENTION:
         args["attention_backend"] = GPU_ATTENTION[spec["mode"]]
     args.update(spec.get("engine") or {})

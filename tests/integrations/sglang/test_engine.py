@@ -3,10 +3,12 @@
 Each test launches a real ``sglang.Engine`` (in the engine environment, $KVZAP_SGLANG_PYTHON) with the kvzap
 plugin loaded through its entry point, through ``kvzap-export validate --engine sglang``: the engine's greedy
 tokens are compared with kvpress's ``DMSPress(KVzapPress)`` tokens computed here with transformers (the model
-level stores them in the bundle), and the KV held is read from SGLang's allocator. Two models: the embedded
-SmolLM2 (Llama attention, shipped surrogate, τ = -4) and a seeded random tiny Qwen3 (Qwen3 attention, random
-surrogate, τ = 0). To fit CI, the references hold 2 prompts x 24 tokens (kvpress's tokens differ from dense
-ones within them; asserted); docs/integrations.md has the full runs (5 prompts x 64 tokens).
+level stores them in the bundle), and the KV held is read from SGLang's allocator (or the per-head pool). Two
+models: the embedded SmolLM2 (Llama attention, shipped surrogate, τ = -4) and a seeded random tiny Qwen3 (Qwen3
+attention, random surrogate, τ = 0). To fit CI (each launch costs about half a minute of imports on 2 cores):
+the references hold 2 prompts x 24 tokens (kvpress's tokens differ from dense ones within them; asserted),
+SmolLM2 runs the ragged mode only, the tiny Qwen3 every mode; docs/integrations.md has the full runs (5
+prompts x 64 tokens, every mode on both models).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def reference_prompts(bundle) -> list[list[int]]:
     return [p["prompt_ids"] for p in json.loads((bundle / "report" / "reference.json").read_text())["prompts"]]
 
 
-@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("which", ["qwen3"])
 def test_mask_mode_gives_kvpress_tokens_and_frees_nothing(request, capsys, which):
     model, bundle = request.getfixturevalue(which)
     code, result = engine_level(capsys, model, bundle, "mask")
@@ -93,7 +95,7 @@ def test_mask_mode_gives_kvpress_tokens_and_frees_nothing(request, capsys, which
     assert (bundle / "report" / "engine-sglang-mask.md").read_text().startswith("# Engine level: sglang (mask mode) ✓ passed")
 
 
-@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("which", ["qwen3"])
 def test_evict_mode_gives_kvpress_tokens_and_frees_what_decisions_imply(request, capsys, which):
     model, bundle = request.getfixturevalue(which)
     code, result = engine_level(capsys, model, bundle, "evict")
@@ -101,10 +103,7 @@ def test_evict_mode_gives_kvpress_tokens_and_frees_what_decisions_imply(request,
     check_against_kvpress(result, reference_prompts(bundle))
     for row in result["prompts"]:  # the allocator's count is the decisions' count (one request at a time)
         assert row["kv_held"] == row["decided_entries"] <= row["kv_dense"]
-    if which == "smollm2":  # τ = -4: some head of some layer keeps every token, so one count per request frees 0
-        assert result["freed_fraction"] == 0.0
-    else:  # τ = 0 on the tiny Qwen3: every head drops something
-        assert result["freed_fraction"] > 0.0
+    assert result["freed_fraction"] > 0.0  # τ = 0 on the tiny Qwen3: every head of every layer drops something
 
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen3"])
@@ -136,12 +135,13 @@ def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
 
 
 @pytest.mark.parametrize("mode, args, named", [
-    ("evict", {"disable_radix_cache": False, "page_size": 4},
-     ["the radix cache is on (add --disable-radix-cache)", "the page size is 4 (use --page-size 1"]),
-    ("mask", {"attention_backend": "torch_native", "enable_mixed_chunk": True},
-     ["the decode attention backend is torch_native", "(drop --enable-mixed-chunk)"]),
-    ("ragged", {"disable_radix_cache": False, "disable_overlap_schedule": False},
-     ["the radix cache is on (add --disable-radix-cache)", "the overlap scheduler is on (add --disable-overlap-schedule)"]),
+    ("evict", {"page_size": 4, "disable_overlap_schedule": False},
+     ["the page size is 4 (use --page-size 1", "the overlap scheduler is on (add --disable-overlap-schedule)"]),
+    ("ragged", {"attention_backend": "torch_native", "disable_radix_cache": False, "enable_mixed_chunk": True,
+                "chunked_prefill_size": 64},
+     ["the radix cache is on (add --disable-radix-cache)", "(drop --enable-mixed-chunk)",
+      "the decode attention backend is torch_native (use --attention-backend kvzap_ragged)",
+      "the prefill attention backend is torch_native"]),
 ])
 def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, named):
     from kvzap_export.bundle.manifest import read_manifest
@@ -170,17 +170,6 @@ def test_a_wrong_plugin_setting_stops_the_engine_before_it_serves(qwen3, tmp_pat
     assert done.returncode != 0 and not (tmp_path / "out.json").exists()
     ours = [line for line in done.stderr.splitlines() if line.startswith("kvzap-export:")]
     assert ours == ["kvzap-export: KVZAP_MODE='drop' is not supported; use one of ['evict', 'mask', 'ragged']"], done.stderr[-2000:]
-
-
-def test_prompts_without_a_reference_are_reported_never_passed(capsys, qwen3, tmp_path):
-    model, bundle = qwen3
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["The capital of France is"]))
-    code, result = engine_level(capsys, model, bundle, "mask", "--prompts", str(prompts), "--max-new-tokens", "4")
-    assert code == 3 and result["status"] == "skipped" and "no kvpress reference" in result["reason"]
-    assert all(r["matches_reference"] is None and len(r["output_ids"]) == 4 for r in result["prompts"])
-    assert result["prompts"][0]["prompt_ids"][:1] != []  # as SGLang's tokenizer made them
-    assert sys.modules.get("sglang") is None  # the engine ran in its own environment
 
 
 def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp_path):
