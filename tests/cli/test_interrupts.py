@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvzap_export.bundle.verify import verify_bundle
+from kvzap_export.bundle.writer import lock_path_for
 from kvzap_export.presets import load_preset
 from tests.helpers import synthetic_checkpoint
 
@@ -99,7 +100,7 @@ def test_held_lock_refuses_second_writer(tmp_path, capsys):
     weights = synthetic_checkpoint(load_preset(str(tmp_path / "p.yaml")), "mlp", tmp_path / "w")
     # Another process holds the lock, as a concurrent run does while it writes.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire(); "
-                               "print('held', flush=True); sys.stdin.read()", str(tmp_path / ".engine.lock")],
+                               "print('held', flush=True); sys.stdin.read()", str(lock_path_for(tmp_path / "engine"))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -133,4 +134,4 @@ def test_out_of_disk_space(tmp_path, tiny_disk, capsys):
     code = main(["--model", str(tmp_path / "p.yaml"), "--weights", str(weights), "--out", str(tiny_disk / "engine"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "no space left" in err and err.count("\n") == 1
-    assert list(tiny_disk.iterdir()) == [] or all(p.name.endswith(".lock") for p in tiny_disk.iterdir())
+    assert list(tiny_disk.iterdir()) == []
