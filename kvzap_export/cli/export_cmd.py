@@ -20,7 +20,7 @@ def summary_lines(manifest: dict, out: Path) -> list[str]:
     pruning = manifest["pruning"]
     parity = manifest.get("parity", {})
     rows = [("bundle", str(out)),
-            ("verdict", f"{parity.get('verdict', 'incomplete')}: {parity.get('summary', '')}".rstrip(": ")),
+            ("verdict", parity.get("summary") or parity.get("verdict", "incomplete")),
             ("model", f"{model['preset']} ({model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_kv_heads']} KV heads)"),
             ("surrogate", f"{manifest['surrogate']['variant']} from {manifest['surrogate']['source']}"),
             ("graphs", f"{len(manifest['artifacts'])} ONNX files, {manifest['dtype']}, opset {manifest['opset']}"),
@@ -44,7 +44,7 @@ def verdict_line(manifest: dict, out: Path) -> str | None:
     if parity.get("verdict") == "passed":
         return None
     missing = ", ".join(n["check"] for n in parity.get("not_run", [])) or "some checks"
-    return f"bundle written to {out}, but its validation is incomplete: {missing} did not run (see {out}/report/parity.md)" \
+    return f"bundle written to {out}, validation incomplete: {missing} did not run (see {out}/report/parity.md)" \
         if parity.get("report") else f"bundle written to {out}, not validated (--no-validate): run `kvzap-export validate {out}`"
 
 
