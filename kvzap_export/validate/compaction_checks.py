@@ -92,7 +92,7 @@ def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plu
     reason = _onnxrt_skip_reason(kind, dtype, backends)
     # ORT CPU has no bfloat16 kernels: bfloat16 graphs run emulated (float32 compute, bf16 rounding).
     runner = None if reason else OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"),
-                                              bf16_emulation=dtype == "bfloat16", providers=device.ort_providers)
+                                              bf16_emulation=dtype == "bfloat16", providers=device.ort_providers, threads=1)
     out.append((f"operator:{kind}", runner, reason))
     if "trt" in backends:
         from kvzap_export.runners.trt import TrtRunner

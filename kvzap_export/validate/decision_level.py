@@ -41,7 +41,8 @@ def _score_backends(bundle, manifest: dict, artifact: dict, backends, device: De
     dtype = manifest["dtype"]
     runners = []
     if "onnxrt" in backends:
-        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers))
+        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers,
+                                    threads=1))  # small graphs: see kvzap_export.threads
     if "trt" in backends:
         from kvzap_export.runners.trt import TrtRunner
 

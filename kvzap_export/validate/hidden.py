@@ -51,12 +51,13 @@ def resolve_model(manifest: dict, model: str | None) -> str | None:
 def _capture(model: str, texts: int, tokens: int) -> tuple[dict[int, torch.Tensor], ...]:
     from kvzap_export.llm import capture_hidden_states, load_llm
     from kvzap_export.texts import held_out_texts
+    from kvzap_export.threads import large_work_threads, torch_threads
 
     llm, tokenizer = load_llm(model, dtype="float32")
     out = []
     for text in held_out_texts(texts):
         ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
-        with capture_hidden_states(llm) as captured, torch.no_grad():
+        with capture_hidden_states(llm) as captured, torch.no_grad(), torch_threads(large_work_threads()):
             llm(input_ids=ids)
         out.append({layer: states[0].detach().clone() for layer, states in captured.items()})
     return tuple(out)

@@ -63,12 +63,13 @@ def _sessions(bundle: Path, manifest: dict) -> tuple[dict[int, object], object, 
 
     layers, compaction, kv = {}, None, None
     for art in manifest["artifacts"]:
+        # One intra-op thread: these graphs are small, and ORT's pool would wait on the cores torch uses.
         if art["kind"] == "surrogate_layer":
-            layers[art["layer"]] = OnnxrtRunner(bundle / art["path"])
+            layers[art["layer"]] = OnnxrtRunner(bundle / art["path"], threads=1)
         elif art["kind"] == "threshold_compaction":
-            compaction = OnnxrtRunner(bundle / art["path"])
+            compaction = OnnxrtRunner(bundle / art["path"], threads=1)
         elif art["kind"] == "kv_compaction":
-            kv = OnnxrtRunner(bundle / art["path"])
+            kv = OnnxrtRunner(bundle / art["path"], threads=1)
     return layers, compaction, kv
 
 
@@ -128,9 +129,10 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
     from transformers import DynamicCache
 
     from kvzap_export.llm import capture_hidden_states
+    from kvzap_export.threads import large_work_threads, torch_threads
 
     cache = DynamicCache()
-    with torch.no_grad(), capture_hidden_states(llm) as hidden:
+    with torch.no_grad(), capture_hidden_states(llm) as hidden, torch_threads(large_work_threads()):  # the prefill
         out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
         prompt_hidden = {k: v.clone() for k, v in hidden.items()}
     logits = [out.logits[:, -1]]

@@ -36,7 +36,8 @@ def _surrogate_runners(bundle: Path, manifest: dict, artifact: dict, surrogate: 
     runners: list[Runner] = [TorchRunner(lambda hidden_states: surrogate.score(layer, hidden_states.to(torch_dtype)),
                                          meta, ["scores"], name=f"torch:layer{layer}", device=device.torch_device)]
     if "onnxrt" in backends:
-        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers))
+        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers,
+                                    threads=1))  # small graphs: see kvzap_export.threads
     if "trt" in backends:
         from kvzap_export.runners.trt import TrtRunner
 

@@ -59,9 +59,18 @@ def validate_bundle(bundle: str | Path, backends: tuple[str, ...] | None = None,
     plugin's library, needed by the plugin-node engine unless it was built version-compatible); ``triton`` /
     ``cuda`` run the GPU kernels (``validate --device cuda``). ``require``: levels that must run (else failed).
     """
+    from kvzap_export.threads import SMALL_WORK, torch_threads
+
+    # Small ops everywhere but the LLM's prefills (which ask for more threads themselves): see kvzap_export.threads.
+    with torch_threads(SMALL_WORK):
+        return _validate(Path(bundle), backends, device, model, model_level, progress, display_name, plugin_libraries,
+                         require, cuda_library)
+
+
+def _validate(bundle: Path, backends, device, model, model_level, progress, display_name, plugin_libraries, require,
+              cuda_library) -> dict[str, Any]:
     from kvzap_export.validate.report import write_report
 
-    bundle = Path(bundle)
     manifest = read_manifest(bundle)
     if isinstance(device, str):
         device = resolve_device(device, cuda_library)
