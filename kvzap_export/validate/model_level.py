@@ -151,31 +151,11 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
     return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held, full)
 
 
-class KvpressRun(NamedTuple):
-    tokens: torch.Tensor  # (1, new_tokens)
-    logits: torch.Tensor  # (1, new_tokens, vocab)
-    masked: int  # K/V entries (layer × head × position) kvpress masked in the prompt
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False):
+    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun)."""
+    from kvzap_export.validate.reference import generate_kvpress as run
 
-
-def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int) -> KvpressRun:
-    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy."""
-    from kvpress import DMSPress, KVzapPress
-    from kvpress.presses.kvzap_press import KVzapModel
-
-    scorer = KVzapPress(model_type=manifest["surrogate"]["variant"])
-    scorer.kvzap_model = KVzapModel.from_pretrained(str(bundle / manifest["surrogate"].get("path", "surrogate")))
-    scorer.kvzap_model_name = f"nvidia/KVzap-{scorer.model_type}-{llm.config.name_or_path.split('/')[-1]}"
-    pruning = manifest["pruning"]
-    press = DMSPress(press=scorer, threshold=pruning["threshold"], sliding_window_size=pruning["window"], decoding=False)
-    with press(llm), torch.no_grad():
-        out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, return_dict_in_generate=True, output_logits=True)
-    masked = 0
-    for layer in llm.model.layers:
-        indices = getattr(layer.self_attn, "masked_key_indices", None)
-        masked += 0 if indices is None else int(indices[0].numel())
-        layer.self_attn.masked_key_indices = None
-    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked)
+    return run(llm, ids, bundle, manifest, new_tokens, decoding)
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
@@ -190,21 +170,29 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     (measured from its tensors) with the dense cache's (measured) minus the entries kvpress masked."""
     from kvzap_export.llm import load_llm
     from kvzap_export.ops import memory_report
+    from kvzap_export.validate import reference as ref
 
     if manifest["dtype"] != "float32":
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
                                                f"this bundle is {manifest['dtype']}"}
     llm, tokenizer = load_llm(model, dtype="float32")
-    advance = progress(f"model level: {prompts} prompts × (compacted run, kvpress run), {new_tokens} tokens each", 2 * prompts) \
-        if progress else (lambda: None)
+    steps_per_prompt = 3  # our compacted run, kvpress prefill-only, kvpress decoding=True (stored as the reference)
+    advance = progress(f"model level: {prompts} prompts × (compacted run, kvpress ×2), {new_tokens} tokens each",
+                       steps_per_prompt * prompts) if progress else (lambda: None)
     per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
     held_total = full_total = masked_total = 0
+    # The bundle carries kvpress's greedy tokens (prefill-only and decoding=True) for engines to compare with.
+    reference = ref.new_reference(manifest, model, "float32", new_tokens)
     with artifact_sessions(bundle, manifest) as runners:
-        for ids in held_out_prompts(tokenizer, prompts, prompt_tokens):
+        for number, ids in enumerate(held_out_prompts(tokenizer, prompts, prompt_tokens)):
             ours = generate_compacted(llm, ids, bundle, manifest, new_tokens, runners)
             advance()
             theirs = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
             advance()
+            decoding = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True)
+            advance()
+            ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
+                           {False: theirs.tokens, True: decoding.tokens})
             same = bool(torch.equal(ours.tokens, theirs.tokens))
             # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
             steps = new_tokens if same else int((ours.tokens != theirs.tokens).int().argmax()) + 1
@@ -235,6 +223,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     expected_held = full_total - masked_total * entry_bytes
     bytes_ok = held_total == expected_held and masked_total > 0
     passed = identical and worst_logits <= logits_atol and bytes_ok
+    ref.write_reference(bundle, reference)
     held_fraction = held_total / max(full_total, 1)
     return {"status": "passed" if passed else "failed", "mode": "prefill compaction (kvpress decoding=False)",
             "prompts": per_prompt, "new_tokens": new_tokens, "identical_continuations": sum(p["identical_tokens"] for p in per_prompt),
@@ -244,6 +233,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
             "bytes_comparison": "held bytes measured from the compacted cache's tensors vs the dense cache's bytes measured "
                                 "before compaction less the entries kvpress masked (kvpress's own decisions)",
             "kv_cache_layouts_from_counts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
+            "reference": str(ref.PATH),
             "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
                        f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%} (kvpress masked {masked_total / max(full_entries, 1):.1%}); "
                        f"K/V bytes held {held_fraction:.1%} of the full cache (both measured"
