@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -27,16 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+sys.path.insert(0, str(ROOT))
 
 
 def run_once(command: list[str], env: dict[str, str], busy: int, cwd: Path) -> dict:
@@ -100,7 +90,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}; "
+    from kvzap_export.bench.timing import machine
+
+    print(f"machine: {machine('cpu')}; load average before: {os.getloadavg()[0]:.2f}; "
           f"env: {' '.join(args.env) or '(default)'}; date: {time.strftime('%Y-%m-%d %H:%M')}")
     print("| job | busy processes | exit | wall (s) | user+sys CPU (s) | CPU / wall | voluntary cs | involuntary cs | "
           "wall / idle wall | CPU / idle CPU |")

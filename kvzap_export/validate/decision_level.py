@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from kvzap_export.export.dtypes import TORCH_DTYPES
-from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
 from kvzap_export.surrogate.model import Surrogate
 from kvzap_export.validate.checks import Check, skipped
 from kvzap_export.validate.device import Device
 from kvzap_export.validate.hidden import HiddenStates
+from kvzap_export.validate.operator_level import exported_runners
 
 # A decision flip is "explained" when the reference score lies within this distance of τ
 # (a few units in the last place of the dtype at |τ|); otherwise it is a bug.
@@ -35,21 +35,6 @@ FLIP_BUDGET = 0.01
 def flip_tolerance(dtype: str, threshold: float) -> float:
     eps = torch.finfo(TORCH_DTYPES[dtype]).eps
     return FLIP_ULPS * eps * max(1.0, abs(threshold))
-
-
-def _score_backends(bundle, manifest: dict, artifact: dict, backends, device: Device, plugin_libraries) -> list:
-    dtype = manifest["dtype"]
-    runners = []
-    if "onnxrt" in backends:
-        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers,
-                                    threads=1))  # small graphs: see kvzap_export.threads
-    if "trt" in backends:
-        from kvzap_export.runners.trt import TrtRunner
-
-        engine = TrtRunner.for_artifact(bundle, manifest, artifact["path"], plugin_libraries)
-        if engine is not None:
-            runners.append(engine)
-    return runners
 
 
 def check_decisions(bundle, manifest: dict, surrogate: Surrogate, hidden: HiddenStates, backends, device: Device | None = None,
@@ -82,7 +67,7 @@ def check_decisions(bundle, manifest: dict, surrogate: Surrogate, hidden: Hidden
                 ref_keeps.append(threshold_compaction(scores.T[None], lengths, tau, window, sink).keep[0].cpu())
                 ref_scores.append(scores.float().cpu())
         row = {"layer": layer, "flips": 0, "unexplained": 0}
-        for runner in _score_backends(bundle, manifest, artifact, backends, device, plugin_libraries):
+        for runner in exported_runners(bundle, manifest, artifact, backends, device, plugin_libraries):
             ran.add(runner.backend)
             with runner:
                 for x, ref_keep, ref in zip(texts, ref_keeps, ref_scores):

@@ -25,6 +25,22 @@ TOKEN_COUNTS = (1, 7, 40)  # the export sample has 3 tokens
 FLOAT_TOLERANCE = {"float32": (1e-5, 1e-5), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
 
 
+def exported_runners(bundle: Path, manifest: dict, artifact: dict, backends, device: Device,
+                     plugin_libraries: tuple[str, ...]) -> list[Runner]:
+    """The requested backends that can run this surrogate graph here: ONNX Runtime, its TensorRT engine."""
+    runners: list[Runner] = []
+    if "onnxrt" in backends:
+        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=manifest["dtype"] == "bfloat16",
+                                    providers=device.ort_providers, threads=1))  # small graphs: see kvzap_export.threads
+    if "trt" in backends:
+        from kvzap_export.runners.trt import TrtRunner
+
+        engine = TrtRunner.for_artifact(bundle, manifest, artifact["path"], plugin_libraries)
+        if engine is not None:
+            runners.append(engine)
+    return runners
+
+
 def _surrogate_runners(bundle: Path, manifest: dict, artifact: dict, surrogate: Surrogate, backends,
                        plugin_libraries: tuple[str, ...], device: Device) -> list[Runner]:
     """Reference first (on ``device``, in the bundle's dtype), then each requested backend that can run this graph."""
@@ -33,18 +49,9 @@ def _surrogate_runners(bundle: Path, manifest: dict, artifact: dict, surrogate: 
     np_dtype = "float32" if dtype == "bfloat16" else dtype
     meta = {"hidden_states": (np_dtype, ["num_tokens", surrogate.config.input_dim])}
     torch_dtype = TORCH_DTYPES[dtype]
-    runners: list[Runner] = [TorchRunner(lambda hidden_states: surrogate.score(layer, hidden_states.to(torch_dtype)),
-                                         meta, ["scores"], name=f"torch:layer{layer}", device=device.torch_device)]
-    if "onnxrt" in backends:
-        runners.append(OnnxrtRunner(bundle / artifact["path"], bf16_emulation=dtype == "bfloat16", providers=device.ort_providers,
-                                    threads=1))  # small graphs: see kvzap_export.threads
-    if "trt" in backends:
-        from kvzap_export.runners.trt import TrtRunner
-
-        engine = TrtRunner.for_artifact(bundle, manifest, artifact["path"], plugin_libraries)
-        if engine is not None:
-            runners.append(engine)
-    return runners
+    reference = TorchRunner(lambda hidden_states: surrogate.score(layer, hidden_states.to(torch_dtype)),
+                            meta, ["scores"], name=f"torch:layer{layer}", device=device.torch_device)
+    return [reference, *exported_runners(bundle, manifest, artifact, backends, device, plugin_libraries)]
 
 
 def _hidden_feeds(hidden: HiddenStates | None, layer: int, dim: int, dtype: str, seed: int) -> list[dict]:

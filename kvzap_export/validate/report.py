@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,11 @@ def write_report(bundle: Path, manifest: dict, report: dict[str, Any], samples: 
     report["plots"] = _plots(directory, samples, plots, manifest, not_written)
     report["polygraphy"] = _polygraphy(directory, samples, manifest, not_written)
     report["not_written"] = not_written
+    # A part this run did not write must not survive from an earlier run beside the new report.
+    if not report["polygraphy"]:
+        shutil.rmtree(directory / "polygraphy", ignore_errors=True)
+    for stale in {"scores.png", "compression.png"} - set(report["plots"]):
+        (directory / stale).unlink(missing_ok=True)
     (directory / "parity.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     md = _markdown(report)
     if report["polygraphy"]:
