@@ -27,12 +27,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def sglang_python() -> str | None:
+    """The engine environment's Python for ``sglang``-marked tests: $KVZAP_SGLANG_PYTHON if it exists."""
+    path = os.environ.get("KVZAP_SGLANG_PYTHON")
+    return path if path and os.path.isfile(path) else None
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch on this machine")
     no_trt = pytest.mark.skip(reason="needs TensorRT (`import tensorrt`); it is not installed on this machine")
+    no_sglang = pytest.mark.skip(reason="needs the SGLang engine environment: set KVZAP_SGLANG_PYTHON to DIR/bin/python "
+                                        "after `bash scripts/sglang_cpu_env.sh DIR` (.ci/run does both)")
     has_gpu = _cuda_available()
     has_trt = importlib.util.find_spec("tensorrt") is not None
+    has_sglang = sglang_python() is not None
     for item in items:
+        if item.get_closest_marker("sglang") and not has_sglang:
+            item.add_marker(no_sglang)
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(no_gpu)
         if item.get_closest_marker("trt") and not has_trt:

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "build": "kvzap_export.cli.build_cmd:build",
     "evaluate": "kvzap_export.cli.evaluate_cmd:evaluate",
     "export": "kvzap_export.cli.export_cmd:export",
+    "export-model": "kvzap_export.cli.export_model_cmd:export_model",
     "inspect": "kvzap_export.cli.bundle_cmd:inspect",
     "presets": "kvzap_export.cli.presets_cmd:presets",
     "train": "kvzap_export.cli.train_cmd:train",

@@ -43,9 +43,24 @@ def verdict_error(report: dict, where: str):
                    "toolkit ships offline (default: the bundle's preset when it is one, e.g. smollm2-135m). Without one "
                    "the decision level runs on synthetic hidden states and the model level does not run.")
 @click.option("--no-model-level", is_flag=True, help="Skip the model-level generation check (the verdict is then incomplete).")
+@click.option("--engine", type=click.Choice(["sglang"]), default=None,
+              help="Run only the engine level: a real serving engine with KVzap attached, greedy, vs the kvpress reference "
+                   "the bundle carries (report/reference.json, written by the model level). Needs --model DIR.")
+@click.option("--engine-mode", type=click.Choice(["mask", "evict", "ragged"]), default="mask", show_default=True,
+              help="With --engine: mask (exact, frees nothing), evict (one KV length per request; frees what every "
+                   "head of every layer dropped) or ragged (per-head storage: frees each head's evicted entries).")
+@click.option("--engine-python", default=None, metavar="PATH", envvar="KVZAP_SGLANG_PYTHON",
+              help="With --engine: the Python of the engine's environment (default: $KVZAP_SGLANG_PYTHON, else this "
+                   "Python if it has sglang). On a CPU machine: bash scripts/sglang_cpu_env.sh DIR, then DIR/bin/python.")
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(), metavar="FILE.json",
+              help="With --engine: a JSON list of prompt strings instead of the reference's prompts (reported without a "
+                   "verdict unless the reference has their exact token ids).")
+@click.option("--max-new-tokens", default=None, type=int, metavar="N",
+              help="With --engine: greedy tokens per prompt (default: as many as the reference holds).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, quiet, as_json) -> None:
+def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
+             prompts_file, max_new_tokens, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -53,7 +68,10 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
        from the export shapes; max abs/rel error per output (compaction graphs and kernels: exact);
     2. decision: keep-mask agreement over several sequences, flips counted among the decisions outside
        the window (the ones that can flip);
-    3. model: the real model generating with a physically compacted KV cache vs kvpress's masked run.
+    3. model: the real model generating with a physically compacted KV cache vs kvpress's masked run
+       (stores kvpress's greedy tokens in BUNDLE/report/reference.json);
+    4. engine (only with --engine sglang): a real SGLang engine with KVzap attached vs that reference,
+       per prompt and KVZAP_DECODING setting, with the KV its allocator held (BUNDLE/report/engine-*.md).
     Writes BUNDLE/report/parity.{json,md} and plots. Exit code: 0 passed (every check ran and passed),
     1 failed, 3 incomplete (nothing failed, something did not run), 2 a usage error.
     """
@@ -61,6 +79,11 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
     from kvzap_export.validate.checks import parse_levels
     from kvzap_export.validate.run import parse_backends, validate_bundle
 
+    if engine is not None:
+        from kvzap_export.cli.engine_report import run_engine_cli
+
+        run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet, as_json)
+        return
     chosen = parse_backends(backends, device)
     levels = parse_levels(require)
     with progress_bars(enabled=not (quiet or as_json)) as progress:

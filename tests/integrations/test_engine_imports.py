@@ -11,24 +11,31 @@ import pytest
 from kvzap_export.errors import MissingDependencyError
 
 ENGINES = {"trtllm": "tensorrt_llm", "sglang": "sglang"}
+SGLANG_MODULES = tuple(f"kvzap_export.integrations.sglang.{m}" for m in (
+    "api", "driver", "masking", "plugin", "ragged", "runtime", "server_setup", "stats"))
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_import_without_engine(name):
     if importlib.util.find_spec(ENGINES[name]) is not None:
         pytest.skip(f"{ENGINES[name]} is installed here")
-    code = (f"import sys, kvzap_export.integrations.{name} as m; "
-            f"assert {ENGINES[name]!r} not in sys.modules; print(m.__name__)")
+    modules = SGLANG_MODULES if name == "sglang" else (f"kvzap_export.integrations.{name}",)
+    code = (f"import sys, importlib; [importlib.import_module(m) for m in {list(modules)!r}]; "
+            f"assert {ENGINES[name]!r} not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 
 def _calls():
-    from kvzap_export.integrations import sglang, trtllm
+    from kvzap_export.integrations import trtllm
+    from kvzap_export.integrations.sglang import masking, ragged, server_setup
 
     return {
-        "sglang.install": lambda: sglang.install("."),
-        "sglang.flex_backend_class": sglang.flex_backend_class,
+        "sglang.masking.native_backend_class": lambda: masking.native_backend_class(None),
+        "sglang.masking.flex_backend_class": lambda: masking.flex_backend_class(None),
+        "sglang.ragged.backend_class": ragged.backend_class,
+        "sglang.ragged.placeholder_pool_class": ragged.placeholder_pool_class,
+        "sglang.server_setup.ServerSetup.of": lambda: server_setup.ServerSetup.of(None),
         "trtllm.install": lambda: trtllm.install("."),
         "trtllm.install_sparse_kv": lambda: trtllm.install_sparse_kv(".", keep_fraction=0.5),
         "trtllm.compression_manager_class": trtllm.compression_manager_class,

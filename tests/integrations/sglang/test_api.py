@@ -3,7 +3,7 @@
 The wheel is downloaded from the package registry (``pip download --no-deps``; pinned to one platform
 tag so every CI machine reads the same file), cached under pytest's cache directory, never installed:
 its Python sources are read straight from the zip and parsed with ``ast``. The list of names is
-``kvzap_export.integrations.sglang.SGLANG_API`` (one place). Skips only when the registry is unreachable.
+``kvzap_export.integrations.sglang.api.SGLANG_API`` (one place). Skips only when the registry is unreachable.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvzap_export.integrations import sglang as glue
+from kvzap_export.integrations.sglang import api as glue
 
 WHEEL_TAGS = ["--python-version", "3.11", "--platform", "manylinux_2_34_x86_64", "--only-binary=:all:"]
 UNREACHABLE = re.compile(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
@@ -156,9 +156,17 @@ def test_every_sglang_name_exists_with_our_signature(wheel):
     assert not problems, "SGLang API drift:\n" + "\n".join(problems)
 
 
+PACKAGE = Path(glue.__file__).parent
+OUR_BACKENDS = {"kvzap_native", "kvzap_flex", "kvzap_ragged"}  # added to --attention-backend's choices at load
+
+
+def glue_sources() -> list[tuple[str, str]]:
+    return [(f"kvzap_export/integrations/sglang/{p.name}", p.read_text()) for p in sorted(PACKAGE.glob("*.py"))]
+
+
 def test_glue_uses_only_listed_names():
     """Hook targets are looked up in SGLANG_API; a name missing from the list would fail at install time."""
-    text = Path(glue.__file__).read_text()
+    text = "\n".join(t for _, t in glue_sources())
     used = set(re.findall(r'\bapi\("([^"]+)"\)', text)) | set(glue.SCORED_ATTENTION)
     listed = {a.qualname for a in glue.SGLANG_API}
     assert used and used <= listed, used - listed
@@ -186,7 +194,7 @@ def test_checker_catches_drift(wheel):
 # (``server_args.py``; deprecated spellings use a ``Deprecated*`` action). Both are read here.
 
 FLAG_USE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:[ =]([A-Za-z0-9_.-]+))?")
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "integrations.md"
 
 
 @dataclass(frozen=True)
@@ -258,15 +266,14 @@ def flags_we_tell_users() -> list[tuple[str, str | None, str]]:
     """(flag, value or None, where) for every flag named in the SGLang glue and the SGLang part of the docs.
 
     A line that says "deprecated" may name a deprecated flag (to point from the old spelling to the new one);
-    lines running other commands (pip, kvzap-export) are not SGLang's.
+    lines running other commands (pip, kvzap-export and its ``validate --engine``) are not SGLang's.
     """
     docs = DOCS.read_text()
     section = docs[docs.index("## SGLang"): docs.index("\n## ", docs.index("## SGLang") + 1)]
     found = []
-    for where, text in (("kvzap_export/integrations/sglang.py", Path(glue.__file__).read_text()),
-                        ("docs/integrations.md", section)):
+    for where, text in (*glue_sources(), ("docs/integrations.md", section)):
         for number, line in enumerate(text.splitlines(), 1):
-            if re.search(r"\bpip (download|install)\b|\bkvzap-export --", line):
+            if re.search(r"\bpip (download|install)\b|\bkvzap-export\b|\bvalidate\b.*--engine", line):
                 continue
             for flag, value in FLAG_USE.findall(line):
                 value = value if value and not value.startswith("--") else None
@@ -282,6 +289,8 @@ def flag_problems(flags: dict[str, ServerFlag], uses) -> list[str]:
             out.append(f"{where}: {flag} is not a flag of sglang {glue.SGLANG_VERSION}")
         elif known.deprecated and "deprecated allowed" not in where:
             out.append(f"{where}: {flag} is deprecated in sglang {glue.SGLANG_VERSION}")
+        elif flag == "--attention-backend" and value in OUR_BACKENDS:
+            continue
         elif value is not None and known.choices and value not in known.choices:
             out.append(f"{where}: {flag} {value}: not one of {sorted(known.choices)}")
     return out

@@ -1,0 +1,42 @@
+"""``validate --engine``: runs the engine level, writes its report, prints the table or the JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json) -> None:
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
+
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    show = not (quiet or as_json)
+
+    def on_line(text: str) -> None:
+        if show:
+            click.echo(f"  {engine} ({mode}): {text}", err=True)
+
+    if show:
+        click.echo(f"engine level: starting {engine} ({mode} mode) with the kvzap plugin; this takes a minute", err=True)
+    result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line)
+    report = write_engine_report(bundle, result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    elif not quiet:
+        click.echo(report.read_text(), err=True)
+    # The engine level's result goes through the same three-state verdict as every other level.
+    from kvzap_export.cli.validate_cmd import verdict_error
+    from kvzap_export.validate.checks import Check, not_run, verdict
+
+    status = result["status"] if result["status"] in ("passed", "failed") else "skipped"
+    check = Check(f"engine:{engine}:{mode}", "engine", status,
+                  {**result, "reason": result.get("reason", result.get("summary", ""))})
+    state = verdict([check])
+    error = verdict_error({"verdict": state, "failed": [check.name] if state == "failed" else [],
+                           "not_run": not_run([check])}, str(report))
+    if error is not None:
+        raise error

@@ -1,0 +1,194 @@
+"""Every SGLang 0.5.23 name the glue relies on, listed once, and the one guarded import of SGLang.
+
+tests/integrations/test_sglang_api.py checks each entry against the real ``sglang==0.5.23`` source
+(downloaded, parsed with ``ast``); the engine tests (``-m sglang``) run the glue inside that engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvzap_export.integrations._lazy import import_engine
+
+SGLANG_VERSION = "0.5.23"
+INSTALL = (f"pip install sglang=={SGLANG_VERSION} (on a CUDA machine; on a CPU machine: bash scripts/sglang_cpu_env.sh DIR); "
+           "KVzap's SGLang glue targets that version")
+
+
+@dataclass(frozen=True)
+class ApiName:
+    """One SGLang name the glue relies on.
+
+    kind: "function" / "method" (called; ``params``: the leading parameter names, in order, ``self``/``cls``
+    included), "property" (read as a value: a ``@property`` def), "class", "field" (class-level annotation
+    or assignment, or ``self.<name> =`` in a method), "name" (any module-level binding: def, class,
+    assignment, import).
+    """
+
+    module: str
+    qualname: str
+    kind: str
+    params: tuple[str, ...] = ()
+
+    @property
+    def target(self) -> str:
+        """The dotted path ``HookRegistry`` resolves."""
+        return f"{self.module}.{self.qualname}"
+
+
+_SB = "sglang.srt.managers.schedule_batch"
+_FB = "sglang.srt.model_executor.forward_batch_info"
+_FLEX = "sglang.srt.layers.attention.torch_flex_backend"
+_NATIVE = "sglang.srt.layers.attention.torch_native_backend"
+_SCHED = "sglang.srt.managers.scheduler"
+_POOL = "sglang.srt.mem_cache.memory_pool"
+
+SGLANG_API: tuple[ApiName, ...] = (
+    # plugin hooks
+    ApiName("sglang.srt.plugins.hook_registry", "HookRegistry.register", "method", ("cls", "target", "hook", "hook_type")),
+    ApiName("sglang.srt.plugins.hook_registry", "HookType.BEFORE", "field"),
+    ApiName("sglang.srt.plugins.hook_registry", "HookType.AFTER", "field"),
+    # scoring: the attention modules whose forward receives the post-norm hidden states
+    ApiName("sglang.srt.models.llama", "LlamaAttention.forward", "method", ("self", "positions", "hidden_states", "forward_batch")),
+    ApiName("sglang.srt.models.llama", "LlamaAttention.attn", "field"),
+    ApiName("sglang.srt.models.qwen3", "Qwen3Attention.forward", "method", ("self", "positions", "hidden_states", "forward_batch")),
+    ApiName("sglang.srt.models.qwen3", "Qwen3Attention.attn", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.layer_id", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.tp_q_head_num", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.tp_k_head_num", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.scaling", "field"),
+    # forward batch
+    ApiName(_FB, "ForwardBatch.init_new", "method", ("cls", "batch", "model_runner")),
+    ApiName(_FB, "ForwardBatch.forward_mode", "field"),
+    ApiName(_FB, "ForwardBatch.out_cache_loc", "field"),
+    ApiName(_FB, "ForwardBatch.req_pool_indices", "field"),
+    ApiName(_FB, "ForwardBatch.seq_lens", "field"),
+    ApiName(_FB, "ForwardBatch.positions", "field"),
+    ApiName(_FB, "ForwardBatch.extend_seq_lens", "field"),
+    ApiName(_FB, "ForwardBatch.extend_prefix_lens", "field"),
+    ApiName(_FB, "ForwardMode.is_extend", "method", ("self",)),
+    ApiName(_FB, "ForwardMode.is_decode", "method", ("self",)),
+    # launch check and step end
+    ApiName(_SCHED, "Scheduler.__init__", "method", ("self", "server_args", "port_args")),
+    ApiName(_SCHED, "Scheduler.process_batch_result", "method", ("self", "batch", "result")),
+    ApiName(_SCHED, "Scheduler.chunked_req", "field"),
+    ApiName(_SCHED, "Scheduler.on_idle", "method", ("self",)),
+    ApiName(_SCHED, "Scheduler.is_fully_idle", "method", ("self",)),
+    ApiName(_SB, "ScheduleBatch.reqs", "field"),
+    ApiName(_SB, "ScheduleBatch.forward_mode", "field"),
+    ApiName(_SB, "ScheduleBatch.req_to_token_pool", "field"),
+    ApiName(_SB, "ScheduleBatch.token_to_kv_pool_allocator", "field"),
+    ApiName(_SB, "ScheduleBatch.seq_lens", "field"),
+    ApiName(_SB, "ScheduleBatch.seq_lens_cpu", "field"),
+    ApiName(_SB, "ScheduleBatch.orig_seq_lens", "field"),
+    ApiName(_SB, "ScheduleBatch.seq_lens_sum", "field"),
+    ApiName(_SB, "ScheduleBatch.prefix_lens", "field"),
+    ApiName(_SB, "ScheduleBatch.extend_lens", "field"),
+    ApiName(_SB, "Req.kv", "field"),
+    ApiName(_SB, "Req.rid", "field"),
+    ApiName(_SB, "Req.origin_input_ids", "field"),
+    ApiName(_SB, "Req.output_ids", "field"),
+    ApiName(_SB, "Req.sampling_params", "field"),
+    ApiName(_SB, "Req.finished", "method", ("self",)),
+    ApiName(_SB, "Req.beam_group", "field"),
+    ApiName(_SB, "Req.session", "field"),
+    ApiName("sglang.srt.sampling.sampling_params", "SamplingParams.custom_params", "field"),
+    ApiName("sglang.srt.session.session_controller", "Session.streaming", "field"),
+    ApiName(_SB, "ReqKvInfo.req_pool_idx", "field"),
+    ApiName(_SB, "ReqKvInfo.kv_committed_len", "field"),
+    ApiName(_SB, "ReqKvInfo.kv_allocated_len", "field"),
+    # memory pools
+    ApiName(_POOL, "ReqToTokenPool.req_to_token", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.get_key_buffer", "method", ("self", "layer_id")),
+    ApiName(_POOL, "MHATokenToKVPool.get_value_buffer", "method", ("self", "layer_id")),
+    ApiName(_POOL, "MHATokenToKVPool.set_kv_buffer", "method", ("self", "layer", "loc_info", "cache_k", "cache_v")),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.free", "method", ("self", "free_index")),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.get_kvcache", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.available_size", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.size", "field"),
+    ApiName(_POOL, "KVCache.size", "field"),
+    ApiName(_POOL, "KVCache.page_size", "field"),
+    ApiName(_POOL, "KVCache.dtype", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.is_quantized_kv_cache", "property"),
+    # server setup checked at the first step end (ServerSetup)
+    ApiName(_SCHED, "Scheduler.tree_cache", "field"),
+    ApiName(_SCHED, "Scheduler.enable_overlap", "field"),
+    ApiName(_SCHED, "Scheduler.page_size", "field"),
+    ApiName(_SCHED, "Scheduler.spec_algorithm", "field"),
+    ApiName(_SCHED, "Scheduler.is_mixed_chunk", "field"),
+    ApiName(_SCHED, "Scheduler.token_to_kv_pool_allocator", "field"),
+    ApiName("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache.disable", "field"),
+    ApiName("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm.is_none", "method", ("self",)),
+    ApiName("sglang.srt.runtime_context", "get_memory", "function", ()),
+    ApiName("sglang.srt.runtime_context", "get_parallel", "function", ()),
+    ApiName("sglang.srt.runtime_context", "get_disagg", "function", ()),
+    ApiName("sglang.srt.runtime_context", "get_exec", "function", ()),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.attention_backend", "field"),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.decode_attention_backend", "field"),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.prefill_attention_backend", "field"),
+    ApiName("sglang.srt.arg_groups.fields.memory", "Memory.enable_unified_memory", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.dcp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.pp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.attn_dp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.disagg", "Disagg.disaggregation_mode", "field"),
+    # tensor parallelism
+    ApiName("sglang.srt.distributed.parallel_state", "get_tp_group", "function", ()),
+    ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.cpu_group", "field"),
+    ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.world_size", "field"),
+    ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.rank_in_group", "field"),
+    # masking backends
+    ApiName("sglang.srt.layers.attention.attention_registry", "register_attention_backend", "function", ("name",)),
+    ApiName("sglang.srt.arg_groups.choices", "add_attention_backend_choices", "name"),
+    ApiName(_FLEX, "TorchFlexAttnBackend", "class"),
+    ApiName(_FLEX, "TorchFlexAttnBackend.__init__", "method", ("self", "model_runner")),
+    ApiName(_FLEX, "TorchFlexAttnBackend.forward_decode", "method", ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache")),
+    ApiName(_FLEX, "TorchFlexAttnBackend.decode_block_masks", "field"),
+    ApiName(_FLEX, "TorchFlexAttnBackend.device", "field"),
+    ApiName(_NATIVE, "TorchNativeAttnBackend", "class"),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.__init__", "method", ("self", "model_runner")),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.forward_decode", "method", ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache")),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.token_to_kv_pool", "field"),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.req_to_token_pool", "field"),
+    # ragged mode: SGLang's pool, allocator and request pool built through these
+    ApiName("sglang.srt.platforms.interface", "SRTPlatform.get_kv_pool_cls", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._build_token_to_kv_pool_allocator",
+            "method", ("self",)),
+    ApiName(_POOL, "NoOpMHATokenToKVPool", "class"),
+    ApiName(_POOL, "NoOpMHATokenToKVPool._finalize_allocation_log", "method", ("self", "num_tokens")),
+    ApiName(_POOL, "MHATokenToKVPool.layer_num", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.head_num", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.head_dim", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.v_head_dim", "field"),
+    ApiName(_POOL, "KVCache.store_dtype", "field"),
+    ApiName(_POOL, "KVCache.device", "field"),
+    ApiName(_POOL, "KVCache.mem_usage", "field"),
+    ApiName(_POOL, "ReqToTokenPool.attach_aux_cache", "method", ("self", "aux_cache")),
+    ApiName(_POOL, "ReqToTokenPool._aux_cache", "field"),
+    ApiName(_POOL, "ReqToTokenPool.alloc_aux_to_lengths", "method", ("self",)),
+    ApiName(_POOL, "ReqToTokenPool.free_rows", "method", ("self",)),
+    ApiName(_POOL, "ReqToTokenPool.schedulable_token_capacity", "method", ("self", "physical_capacity")),
+    ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator", "class"),
+    ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.__init__", "method",
+            ("self", "size", "dtype", "device", "kvcache", "need_sort")),
+    ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.available_size", "method", ("self",)),
+    ApiName(_FB, "ForwardBatch.extend_prefix_lens_cpu", "field"),
+    ApiName(_FB, "ForwardBatch.extend_seq_lens_cpu", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.qk_head_dim", "field"),
+    ApiName("sglang.srt.layers.radix_attention", "RadixAttention.v_head_dim", "field"),
+    ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.token_to_kv_pool_allocator", "field"),
+    ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.req_to_token_pool", "field"),
+)
+
+_API = {api.qualname: api for api in SGLANG_API}
+# The attention classes whose forward the scoring hook wraps (add yours: same (positions, hidden_states,
+# forward_batch) signature and an ``attn`` RadixAttention).
+SCORED_ATTENTION = ("LlamaAttention.forward", "Qwen3Attention.forward")
+
+
+def api(qualname: str) -> ApiName:
+    return _API[qualname]
+
+
+def sglang_module(module: str):
+    """``import module`` of SGLang, or one line saying how to install it."""
+    return import_engine(module, "KVzap's SGLang integration", INSTALL)

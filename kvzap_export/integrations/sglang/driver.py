@@ -1,0 +1,159 @@
+"""Runs prompts greedily through a real ``sglang.Engine`` with the KVzap plugin, one request at a time.
+
+Run in the engine's environment (``python -m kvzap_export.integrations.sglang.driver SPEC.json OUT.json``);
+``validate --engine sglang`` writes the spec, starts this with the engine environment's Python and reads
+the result. One engine launch per spec: the plugin is configured by ``KVZAP_*`` before the engine starts
+(SGLang loads it in each of its processes), and each request picks its own setting through
+``custom_params["kvzap"]`` (``off``: KVzap leaves it alone, the dense reading; ``prefill`` / ``decoding``:
+kvpress ``decoding=False`` / ``True``). Requests run one at a time so that the allocator's readings at a
+request's last step belong to that request alone.
+
+Spec: ``{"model", "bundle", "mode", "prompts": [{"input_ids": [...]} | {"text": "..."}], "runs": ["off",
+"prefill", "decoding"], "max_new_tokens", "engine": {extra sglang.Engine keyword arguments}}``.
+Result: ``{"engine": {...}, "results": [{"prompt", "prompt_ids", "run", "output_ids", "reading"}, ...]}``;
+``reading`` is the request's last line of ``stats.AllocatorReadings``.
+
+Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"?}, ...]``): every request is
+submitted at once (SGLang admits them as its memory allows), those with ``abort_after`` are aborted that many
+seconds after submission; mode ``dense`` runs SGLang without KVzap (readings only). Result: ``{"engine",
+"stream": [{"rid", "output_ids", "finish", "seconds"}], "readings": [every reading line], "wall_seconds"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The settings every mode needs on any machine (docs/integrations.md); the CPU needs the torch_native family.
+BASE_ENGINE_ARGS = {
+    "disable_radix_cache": True, "disable_overlap_schedule": True, "page_size": 1,
+    "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
+    "chunked_prefill_size": -1, "log_level": "warning", "skip_server_warmup": True,
+}
+MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
+
+
+def engine_args(spec: dict) -> dict:
+    args = {"model_path": spec["model"], "dtype": spec.get("dtype", "float32"), **BASE_ENGINE_ARGS}
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        # SGLang's default static-memory fraction comes out negative on a CPU with other work on it; the KV
+        # pool's size is set by max_total_tokens anyway.
+        args.update(device="cpu", attention_backend=MODE_ATTENTION[spec["mode"]], mem_fraction_static=0.5)
+    args.update(spec.get("engine") or {})
+    return args
+
+
+def _last_reading(path: Path, rid: str) -> dict | None:
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("rid") == rid:
+            last = entry
+    return last
+
+
+def _launch(spec: dict):
+    """(engine, readings path, launch seconds) with the plugin configured for ``spec["mode"]``."""
+    stats = Path(tempfile.mkdtemp(prefix="kvzap-sglang-")) / "readings.jsonl"
+    os.environ["KVZAP_STATS"] = str(stats)
+    if spec["mode"] == "dense":
+        os.environ.pop("KVZAP_BUNDLE", None)
+    else:
+        os.environ.update(KVZAP_BUNDLE=str(spec["bundle"]), KVZAP_MODE=spec["mode"], KVZAP_DECODING="1")
+    import sglang
+
+    started = time.perf_counter()
+    engine = sglang.Engine(**engine_args(spec))
+    return engine, stats, time.perf_counter() - started
+
+
+def _engine_info(spec: dict, launch_s: float) -> dict:
+    import importlib.metadata as md
+
+    return {"sglang": md.version("sglang"), "torch": md.version("torch"), "args": engine_args(spec),
+            "launch_seconds": launch_s}
+
+
+def stream(spec: dict) -> dict:
+    """Submits every request of ``spec["stream"]`` at once; aborts the ones with ``abort_after``."""
+    import asyncio
+
+    engine, stats, launch_s = _launch(spec)
+
+    async def one(i: int, request: dict) -> dict:
+        rid = f"kvzap-stream-{i}"
+        params = {"temperature": 0.0, "max_new_tokens": request["max_new_tokens"], "ignore_eos": True}
+        if spec["mode"] != "dense":
+            params["custom_params"] = {"kvzap": request.get("kvzap", "decoding")}
+        if request.get("abort_after") is not None:
+            async def abort():
+                await asyncio.sleep(request["abort_after"])
+                engine.tokenizer_manager.abort_request(rid)
+            asyncio.ensure_future(abort())
+        t0 = time.perf_counter()
+        out = await engine.async_generate(input_ids=request["input_ids"], sampling_params=params, rid=rid)
+        return {"rid": rid, "output_ids": list(out.get("output_ids") or []),
+                "finish": (out["meta_info"].get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0}
+
+    async def everything():
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["stream"])))
+
+    try:
+        t0 = time.perf_counter()
+        results = engine.loop.run_until_complete(everything())
+        wall = time.perf_counter() - t0
+        time.sleep(spec.get("settle_seconds", 2.0))  # the scheduler goes idle and writes its idle reading
+    finally:
+        engine.shutdown()
+    readings = [json.loads(line) for line in stats.read_text().splitlines()] if stats.is_file() else []
+    return {"engine": _engine_info(spec, launch_s), "stream": results, "readings": readings, "wall_seconds": wall}
+
+
+def run(spec: dict, progress=None) -> dict:
+    if spec.get("stream"):
+        return stream(spec)
+    engine, stats, launch_s = _launch(spec)
+    results = []
+    try:
+        tokenizer = engine.tokenizer_manager.tokenizer
+        for p, prompt in enumerate(spec["prompts"]):
+            ids = list(prompt["input_ids"]) if "input_ids" in prompt else list(tokenizer(prompt["text"])["input_ids"])
+            for choice in spec["runs"]:
+                t0 = time.perf_counter()
+                out = engine.generate(input_ids=ids, sampling_params={
+                    "temperature": 0.0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True,
+                    "custom_params": {"kvzap": choice}})
+                rid = out["meta_info"]["id"]
+                results.append({"prompt": p, "prompt_ids": ids, "run": choice, "output_ids": list(out["output_ids"]),
+                                "reading": _last_reading(stats, rid), "seconds": time.perf_counter() - t0})
+                if progress:
+                    progress(p, choice)
+    finally:
+        engine.shutdown()
+    return {"engine": _engine_info(spec, launch_s), "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m kvzap_export.integrations.sglang.driver SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+
+    def progress(prompt: int, choice: str) -> None:
+        print(f"kvzap-sglang-driver: prompt {prompt + 1}/{len(spec['prompts'])} run {choice} done", file=sys.stderr,
+              flush=True)
+
+    result = run(spec, progress)
+    Path(argv[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

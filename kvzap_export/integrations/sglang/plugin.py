@@ -1,0 +1,198 @@
+"""The SGLang plugin: entry point, hooks, and this process's runtime.
+
+``load_plugin`` is the package's ``sglang.srt.plugins`` entry point; SGLang calls it in each of its
+processes before parsing the command line. It does nothing unless ``KVZAP_BUNDLE`` is set. Settings:
+``KVZAP_BUNDLE`` (a bundle directory), ``KVZAP_MODE`` (evict | mask | ragged; default evict),
+``KVZAP_DECODING`` (1 | 0; default 1: also evict while decoding, kvpress ``decoding=True``),
+``KVZAP_STATS`` (a file: allocator readings per request and step and at idle, ``stats.py``; also without a
+bundle, for a dense baseline).
+
+Hooks (SGLang's ``HookRegistry``):
+  - BEFORE ``LlamaAttention.forward`` / ``Qwen3Attention.forward``: scores the new tokens (their
+    ``hidden_states`` is the post-input-RMSNorm attention input);
+  - AFTER ``Scheduler.__init__``: reads the server's settings (``ServerSetup``) and stops the launch with one
+    line if one is wrong for the mode;
+  - BEFORE ``Scheduler.process_batch_result``: the step end (decisions, eviction, readings);
+  - AFTER ``ForwardBatch.init_new`` (evict mode): logical RoPE positions.
+Mask and evict modes register the ``kvzap_native`` and ``kvzap_flex`` attention backends (decode attends to
+exactly kvpress's set); ragged mode registers ``kvzap_ragged`` and replaces the model runner's KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvzap_export.errors import ConfigError, KvzapError
+from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
+from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
+from kvzap_export.integrations.sglang.server_setup import ServerSetup
+
+log = logging.getLogger(__name__)
+
+_CONFIG: dict | None = None
+_RUNTIME: KVzapSGLang | None = None
+
+
+def runtime() -> KVzapSGLang:
+    """This process's runtime, built on first use: by then SGLang's tensor-parallel state exists."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        if _CONFIG is None:
+            raise ConfigError("KVzap's SGLang runtime is not installed in this process; call install() (or load the plugin)")
+        from kvzap_export.integrations.sglang.stats import AllocatorReadings
+
+        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
+        size, rank = (group.world_size, group.rank_in_group) if group is not None else (1, 0)
+        cfg = _CONFIG
+        factory = KVzapSGLang
+        if cfg["mode"] == "ragged":
+            from kvzap_export.integrations.sglang.ragged import RaggedKVzapSGLang as factory
+        rt = factory.from_bundle(cfg["bundle"], cfg["mode"], cfg["decoding"], size, rank, group, **cfg["policy"])
+        rt.stats = AllocatorReadings.from_env(rank)
+        _RUNTIME = rt
+    return _RUNTIME
+
+
+def _tp_group(parallel):
+    """The TP group when distributed state exists (scheduler processes); None in a plain process."""
+    try:
+        return parallel.get_tp_group()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+
+
+def _backends(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(decode, prefill) attention backends a mode needs; empty = any."""
+    if mode in ("mask", "evict"):
+        from kvzap_export.integrations.sglang.masking import BACKENDS
+
+        return BACKENDS, ()
+    if mode == "ragged":
+        from kvzap_export.integrations.sglang.ragged import BACKEND
+
+        return (BACKEND,), (BACKEND,)
+    return (), ()
+
+
+def _score_hook(attention, *args, **kwargs):
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+    forward_batch = kwargs["forward_batch"] if "forward_batch" in kwargs else args[2]
+    rt = runtime()
+    if attention.attn.tp_k_head_num != rt.scorer.num_kv_heads:
+        raise ConfigError(f"layer {attention.attn.layer_id} holds {attention.attn.tp_k_head_num} KV heads on this rank, "
+                          f"the surrogate slice has {rt.scorer.num_kv_heads}; is the bundle for this model?")
+    rt.score(attention.attn.layer_id, hidden, forward_batch)
+
+
+def _scheduler_built_hook(result, scheduler, *args, **kwargs):
+    """Checks the server's settings once the scheduler exists; a wrong one stops the launch with one line.
+
+    SystemExit rather than an exception: SGLang logs a scheduler's exception with its traceback and signals
+    its parent; the one line is what the operator needs.
+    """
+    rt = runtime()
+    try:
+        rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
+    except KvzapError as exc:
+        raise SystemExit(f"kvzap-export: {exc}") from None
+    return result
+
+
+def _step_end_hook(scheduler, batch, *args, **kwargs):
+    rt = runtime()
+    if rt.setup is None:  # a scheduler built before the plugin's hooks were applied
+        rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
+    rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
+
+
+def _positions_hook(result, *args, **kwargs):
+    runtime().shift_positions(result)
+
+
+def _idle_hook(result, scheduler, *args, **kwargs):
+    rt = runtime() if _CONFIG is not None else None
+    readings = rt.stats if rt is not None else _STATS
+    if readings is not None and scheduler.is_fully_idle():
+        readings.record_idle(scheduler, rt)
+    return result
+
+
+_STATS = None  # readings of a server without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not)
+
+
+def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
+    if batch.forward_mode.is_extend() or batch.forward_mode.is_decode():
+        _STATS.record(batch)
+
+
+def install_readings_only() -> None:
+    """Readings of SGLang's allocator without KVzap (the dense baseline; ``KVZAP_STATS`` without a bundle)."""
+    global _STATS
+    from kvzap_export.integrations.sglang.stats import AllocatorReadings
+
+    hooks = sglang_module("sglang.srt.plugins.hook_registry")
+    _STATS = AllocatorReadings.from_env()
+    hooks.HookRegistry.register(api("Scheduler.process_batch_result").target, _dense_step_end_hook, hooks.HookType.BEFORE)
+    hooks.HookRegistry.register(api("Scheduler.on_idle").target, _idle_hook, hooks.HookType.AFTER)
+
+
+def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> None:
+    """Registers KVzap's hooks (and the mode's attention backend) in this process.
+
+    Call it from a ``sglang.srt.plugins`` entry point (see ``load_plugin``) so that every SGLang process
+    runs it before the engine starts; ``HookRegistry.apply_hooks`` then patches the targets. The runtime
+    (surrogate, buffers, TP slice) is built at the first hook call.
+    """
+    global _CONFIG, _RUNTIME
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.integrations.core import KVzapPolicy
+
+    if mode not in MODES:
+        raise ConfigError(f"KVZAP_MODE={mode!r} is not supported; use one of {list(MODES)}")
+    # The manifest and the policy are checked here, in the launching process, so that a wrong bundle or
+    # threshold stops the launch; the surrogate itself is loaded by each scheduler process at first use.
+    KVzapPolicy.from_manifest(read_manifest(bundle), decoding=decoding, **policy)
+    hooks = sglang_module("sglang.srt.plugins.hook_registry")
+    _CONFIG, _RUNTIME = {"bundle": str(bundle), "mode": mode, "decoding": decoding, "policy": policy}, None
+    register, kind = hooks.HookRegistry.register, hooks.HookType
+    for name in SCORED_ATTENTION:
+        register(api(name).target, _score_hook, kind.BEFORE)
+    register(api("Scheduler.__init__").target, _scheduler_built_hook, kind.AFTER)
+    register(api("Scheduler.process_batch_result").target, _step_end_hook, kind.BEFORE)
+    register(api("Scheduler.on_idle").target, _idle_hook, kind.AFTER)
+    if mode in ("evict", "mask"):
+        from kvzap_export.integrations.sglang import masking
+
+        masking.register(runtime)
+        if mode == "evict":
+            register(api("ForwardBatch.init_new").target, _positions_hook, kind.AFTER)
+    else:
+        from kvzap_export.integrations.sglang import ragged
+
+        ragged.register(register, kind)
+
+
+def load_plugin() -> None:
+    """``sglang.srt.plugins`` entry point: reads ``KVZAP_*`` and installs (see the module docstring).
+
+    SGLang logs and ignores an exception raised by a plugin, which would leave a server running without
+    the KVzap its operator asked for; a wrong setting therefore exits the process with one line instead.
+    """
+    bundle = os.environ.get("KVZAP_BUNDLE")
+    if not bundle:
+        if os.environ.get("KVZAP_STATS"):
+            install_readings_only()
+            log.info("kvzap-export's SGLang plugin: KVzap is off; allocator readings go to %s", os.environ["KVZAP_STATS"])
+        else:
+            log.info("kvzap-export's SGLang plugin: KVZAP_BUNDLE is not set, KVzap is off")
+        return
+    mode = os.environ.get("KVZAP_MODE", "evict")
+    decoding = os.environ.get("KVZAP_DECODING", "1").strip().lower()
+    try:
+        if decoding not in ("1", "0", "true", "false"):
+            raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
+        install(bundle, mode, decoding in ("1", "true"))
+    except KvzapError as exc:
+        raise SystemExit(f"kvzap-export: {exc}") from None
+    log.info("KVzap on: bundle %s, mode %s", bundle, mode)

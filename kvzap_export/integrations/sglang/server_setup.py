@@ -1,0 +1,99 @@
+"""The SGLang server settings KVzap depends on, read from the scheduler when it is built.
+
+A wrong one stops the launch with one line naming the flag that fixes it (``plugin.py`` checks them in an
+AFTER hook on ``Scheduler.__init__``, before any request is served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvzap_export.integrations.core import UNQUANTIZED_DTYPES
+from kvzap_export.integrations.sglang.api import sglang_module
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    """What ``problems(mode)`` needs to know about one scheduler.
+
+    Evict mode moves K/V inside a request's own slots and frees the tail, which is only sound when a slot
+    belongs to one request (no radix cache), is freed one by one (page size 1), is addressed physically (no
+    unified memory, no decode context parallelism), stores plain K/V (no quantized cache: its reads are
+    dequantized copies and its scales would stay behind), and when the step end runs before the next batch
+    is prepared (no overlap). Every mode needs every layer in this process (no pipeline parallelism), ranks
+    that schedule the same requests (no attention data parallelism), a cache that stays on this server (no
+    prefill/decode disaggregation, whose transfers read logical lengths) and Python hooks that run at every
+    step (no speculative decoding, no CUDA graphs: those are refused where they are captured).
+    """
+
+    radix_cache: bool
+    overlap: bool
+    page_size: int
+    speculative: bool
+    mixed_chunk: bool
+    unified_memory: bool
+    dcp_size: int
+    pp_size: int
+    attn_dp_size: int
+    disaggregation: str
+    kv_dtype: torch.dtype
+    kv_quantized: bool
+    kv_slots: int  # slot ids the allocator hands out (pool or allocator size, the larger, + padding page)
+    prefill_backend: str = ""  # the attention backends in effect (``--attention-backend`` unless overridden)
+    decode_backend: str = ""
+
+    @classmethod
+    def of(cls, scheduler) -> "ServerSetup":
+        context = sglang_module("sglang.srt.runtime_context")
+        parallel = context.get_parallel()
+        allocator = scheduler.token_to_kv_pool_allocator
+        kv = allocator.get_kvcache()
+        kernel = context.get_exec().kernel
+        backend = kernel.attention_backend or ""
+        return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
+                   page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
+                   mixed_chunk=bool(scheduler.is_mixed_chunk),
+                   unified_memory=bool(context.get_memory().enable_unified_memory), dcp_size=int(parallel.dcp_size),
+                   pp_size=int(parallel.pp_size), attn_dp_size=int(parallel.attn_dp_size),
+                   disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
+                   kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(max(kv.size, allocator.size) + kv.page_size),
+                   prefill_backend=str(kernel.prefill_attention_backend or backend),
+                   decode_backend=str(kernel.decode_attention_backend or backend))
+
+    def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
+        """Each setting that is wrong for ``mode``, with the flag that fixes it.
+
+        decode_backends / prefill_backends: the attention backends that can serve ``mode`` in each phase
+        (empty: any; mask mode needs one of its own for decode, ragged mode for both).
+        """
+        out = []
+        if self.radix_cache:
+            out.append("the radix cache is on (add --disable-radix-cache)")
+        if self.overlap:
+            out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
+        if self.speculative:
+            out.append("speculative decoding is on (drop --speculative-algorithm)")
+        if self.unified_memory:
+            out.append("unified memory is on (drop --enable-unified-memory)")
+        if self.dcp_size != 1:
+            out.append(f"decode context parallelism is {self.dcp_size} (use --dcp-size 1)")
+        if self.pp_size != 1:
+            out.append(f"pipeline parallelism is {self.pp_size} (use --pp-size 1)")
+        if self.attn_dp_size != 1:
+            out.append(f"attention data parallelism is {self.attn_dp_size} (use --attn-dp-size 1)")
+        if self.disaggregation != "null":
+            out.append(f"prefill/decode disaggregation is on ({self.disaggregation}; drop --disaggregation-mode)")
+        for phase, chosen, allowed in (("decode", self.decode_backend, decode_backends),
+                                       ("prefill", self.prefill_backend, prefill_backends)):
+            if allowed and chosen not in allowed:
+                out.append(f"the {phase} attention backend is {chosen or 'the default'} "
+                           f"(use --attention-backend {' or '.join(allowed)})")
+        if mode == "mask" and self.mixed_chunk:
+            out.append("mixed chunks run decode rows as dense extends, unmasked (drop --enable-mixed-chunk)")
+        if mode in ("evict", "ragged") and self.page_size != 1:
+            out.append(f"the page size is {self.page_size} (use --page-size 1: entries are freed one by one)")
+        if mode in ("evict", "ragged") and (self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES):
+            out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto, or KVZAP_MODE=mask)")
+        return out

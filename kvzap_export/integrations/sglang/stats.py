@@ -1,0 +1,84 @@
+"""Allocator readings: what SGLang's own KV pools hold, per request at every step end, and at idle.
+
+Opt-in with ``KVZAP_STATS=FILE`` (JSON lines, appended by the scheduler process of tensor-parallel rank 0);
+it works with KVzap on (any mode) and off (``KVZAP_BUNDLE`` unset: a dense SGLang's readings, the baseline
+of the SGLang engine benchmark). The numbers come from the engine's pools, never from KVzap's decisions:
+
+- ``slots_held``: token slots SGLang's allocator has handed out, ``size - available_size()`` (one slot holds
+  every layer and KV head of one token: the dense layout and evict mode); ``row_slots``: the request's own
+  slots by SGLang's bookkeeping (``kv_allocated_len``);
+- ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list)
+  and ``row_head_slots`` (the request's rows).
+
+Per-request lines also carry what the glue's decisions imply (``decided_entries``: the state's kept counts),
+so that the two can be compared. Idle lines (``"event": "idle"``, written once each time the scheduler
+runs out of work) show whether every entry came back (the no-leak check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "KVZAP_STATS"
+
+
+class AllocatorReadings:
+    """Appends JSON lines to ``path``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._last_idle: dict | None = None
+
+    @classmethod
+    def from_env(cls, tp_rank: int = 0) -> "AllocatorReadings | None":
+        path = os.environ.get(ENV)
+        return cls(path) if path and tp_rank == 0 else None
+
+    def _write(self, lines: list[dict]) -> None:
+        if lines:
+            with self.path.open("a") as fh:
+                fh.write("\n".join(json.dumps(line) for line in lines) + "\n")
+
+    @staticmethod
+    def _pool(allocator, rt) -> dict:
+        kv = allocator.get_kvcache()
+        size = int(allocator.size)
+        out = {"pool_slots": size, "slots_held": size - int(allocator.available_size()),
+               "layers": int(kv.layer_num), "kv_heads": int(kv.head_num)}
+        if rt is not None:
+            out.update(rt.pool_readings(None))
+        return out
+
+    def record(self, batch, rt=None) -> None:
+        """One line per request of the batch, at the end of its step (before SGLang frees finished rows)."""
+        pool = self._pool(batch.token_to_kv_pool_allocator, rt)
+        now, forward = time.time(), "extend" if batch.forward_mode.is_extend() else "decode"
+        lines = []
+        for req in batch.reqs:
+            idx = req.kv.req_pool_idx
+            if idx is None:
+                continue
+            state = rt.states.get(idx) if rt is not None else None
+            line = {"rid": req.rid, "t": now, "forward": forward, "mode": rt.mode if rt is not None else "dense",
+                    "kvzap": state is not None, "decoding": bool(state.policy.decoding) if state is not None else None,
+                    "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
+                    "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool}
+            if state is not None:
+                line["logical_length"] = state.logical_length
+                line["decided_entries"] = int(state.counts.sum())
+                line["decided_rule_entries"] = int(state.rule_kept.sum())
+            if rt is not None:
+                line.update(rt.pool_readings(idx))
+            lines.append(line)
+        self._write(lines)
+        self._last_idle = None  # the next idle reading is written even if it equals the previous one
+
+    def record_idle(self, scheduler, rt=None) -> None:
+        """The pools with no request running; written once after each busy period (and when it changes)."""
+        pool = self._pool(scheduler.token_to_kv_pool_allocator, rt)
+        if pool != self._last_idle:
+            self._last_idle = pool
+            self._write([{"event": "idle", "t": time.time(), **pool}])

@@ -1,0 +1,199 @@
+"""Engine level: a real serving engine with KVzap attached vs the kvpress reference the bundle carries.
+
+``validate BUNDLE --engine sglang --engine-mode MODE --model DIR`` starts a real ``sglang.Engine`` (in the
+engine's own environment: ``--engine-python``, default this Python) with the kvzap plugin loaded through its
+entry point, in float32, and runs each prompt greedily, one request at a time, three ways on the same
+launch: KVzap off for that request (``custom_params["kvzap"]="off"``: the dense reading), kvpress
+``decoding=False`` and ``decoding=True``. Two independent computations meet here: SGLang's tokens vs
+kvpress's (transformers, masked run, stored by the model level in ``report/reference.json``), prompt ids for
+prompt ids. The KV held comes from SGLang's allocator (and, in ragged mode, from the per-head pool's free
+list), read at the request's last step; what the glue's decisions imply is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvzap_export.errors import ConfigError
+from kvzap_export.validate.reference import lookup, read_reference
+
+ENGINES = ("sglang",)
+ENGINE_MODES = ("mask", "evict", "ragged")
+DEFAULT_NEW_TOKENS = 64
+RUNS = (("off", None), ("prefill", False), ("decoding", True))
+
+
+def engine_python(given: str | None) -> str:
+    """The Python of the engine's environment: ``given``, else ``$KVZAP_SGLANG_PYTHON``, else this one if it has SGLang."""
+    candidate = given or os.environ.get("KVZAP_SGLANG_PYTHON")
+    if candidate:
+        path = shutil.which(candidate) or candidate
+        if not Path(path).is_file():
+            raise ConfigError(f"--engine-python {candidate}: no such interpreter; give the engine environment's "
+                              "python (bash scripts/sglang_cpu_env.sh DIR makes one: DIR/bin/python)")
+        return path
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError("--engine sglang: sglang is not installed in this environment; pass --engine-python "
+                          "DIR/bin/python of an environment that has it (bash scripts/sglang_cpu_env.sh DIR on a CPU machine)")
+    return sys.executable
+
+
+def load_prompts(path: str | None, reference: dict | None) -> list[dict]:
+    """The prompts to run: the reference's prompt ids by default, or the strings of a JSON list file."""
+    if path is None:
+        if reference is None or not reference.get("prompts"):
+            raise ConfigError("the bundle carries no kvpress reference (report/reference.json; the model level writes it): "
+                              "run `kvzap-export validate BUNDLE` in the main environment first, or pass --prompts FILE.json")
+        return [{"input_ids": p["prompt_ids"], "source": p.get("source", "")} for p in reference["prompts"]]
+    try:
+        texts = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--prompts {path}: cannot read a JSON list of strings ({exc})") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ConfigError(f"--prompts {path}: expected a non-empty JSON list of non-empty strings")
+    return [{"text": t, "source": f"--prompts entry {i + 1}"} for i, t in enumerate(texts)]
+
+
+def _entries(reading: dict | None, key: str) -> int | None:
+    """K/V entries (one token of one KV head of one layer) from a reading."""
+    if reading is None:
+        return None
+    if key == "head_slots_held" and "head_slots_held" in reading:
+        return int(reading["head_slots_held"])
+    return int(reading["slots_held"]) * int(reading["layers"]) * int(reading["kv_heads"])
+
+
+def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sources: list[str]) -> dict[str, Any]:
+    """Per prompt and decoding setting: tokens vs the reference, KV held vs dense, from the driver's raw result."""
+    dense = {r["prompt"]: r for r in raw["results"] if r["run"] == "off"}
+    rows, problems = [], []
+    for r in raw["results"]:
+        if r["run"] == "off":
+            continue
+        decoding = r["run"] == "decoding"
+        expected = lookup(reference, r["prompt_ids"], decoding, new_tokens)
+        base = dense.get(r["prompt"])
+        held_key = "head_slots_held" if mode == "ragged" else "slots_held"
+        kv_held, kv_dense = _entries(r["reading"], held_key), _entries(base and base["reading"], "slots_held")
+        decided = (r["reading"] or {}).get("decided_entries")
+        row = {"prompt": r["prompt"], "source": sources[r["prompt"]], "prompt_ids": r["prompt_ids"],
+               "output_ids": r["output_ids"], "decoding": decoding, "kv_held": kv_held, "kv_dense": kv_dense,
+               "freed_fraction": None if not kv_dense or kv_held is None else 1.0 - kv_held / kv_dense,
+               "decided_entries": decided, "matches_reference": None if expected is None else r["output_ids"] == expected,
+               "dense_output_ids": base["output_ids"] if base else None,
+               "reference_differs_from_dense": None if expected is None or base is None else expected != base["output_ids"]}
+        if expected is not None and not row["matches_reference"]:
+            got = r["output_ids"]
+            row["first_mismatch"] = next((i for i in range(len(expected)) if i >= len(got) or got[i] != expected[i]),
+                                         len(expected))
+            problems.append(f"prompt {r['prompt'] + 1} decoding={decoding}: tokens differ from kvpress's at step "
+                            f"{row['first_mismatch']}")
+        if mode in ("evict", "ragged") and decided is not None and kv_held is not None and decided != kv_held:
+            problems.append(f"prompt {r['prompt'] + 1} decoding={decoding}: the engine holds {kv_held} entries, "
+                            f"the decisions imply {decided}")
+        rows.append(row)
+    referenced = [row for row in rows if row["matches_reference"] is not None]
+    status = "failed" if problems else ("passed" if rows and len(referenced) == len(rows) else "skipped")
+    held = sum(row["kv_held"] or 0 for row in rows)
+    dense_total = sum(row["kv_dense"] or 0 for row in rows)
+    result = {"status": status, "engine": "sglang", "mode": mode, "max_new_tokens": new_tokens, "engine_info": raw["engine"],
+              "prompts": rows, "problems": problems,
+              "matching": sum(bool(row["matches_reference"]) for row in rows), "referenced": len(referenced),
+              "kv_held": held, "kv_dense": dense_total, "freed_fraction": 1.0 - held / dense_total if dense_total else None,
+              "compares": "SGLang greedy tokens (plugin loaded by its entry point) vs kvpress DMSPress(KVzapPress) greedy "
+                          "tokens computed with transformers and stored in the bundle; KV held read from SGLang's allocator"}
+    if status == "skipped":
+        result["reason"] = (f"no kvpress reference for {len(rows) - len(referenced)} of {len(rows)} runs "
+                            "(prompts the model level did not store): tokens reported, not compared")
+    result["summary"] = (f"{result['matching']}/{len(referenced)} runs with tokens identical to kvpress's "
+                         f"({len(rows) - len(referenced)} without a reference); KV held {held} of {dense_total} entries "
+                         f"(freed {result['freed_fraction'] or 0.0:.1%}, read from SGLang's allocator)")
+    return result
+
+
+def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model: str | None, prompts: str | None = None,
+                     new_tokens: int | None = None, python: str | None = None, device: str = "cpu",
+                     engine_args: dict | None = None, on_line=None) -> dict[str, Any]:
+    """Runs the engine level; returns its result dict (``status`` passed | failed | skipped)."""
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine!r}: supported engines are {list(ENGINES)}")
+    if mode not in ENGINE_MODES:
+        raise ConfigError(f"--engine-mode {mode!r}: use one of {list(ENGINE_MODES)}")
+    if model is None or not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"--engine sglang needs --model DIR, a Hugging Face model directory (got {model!r}); for the "
+                          "embedded model: kvzap-export export-model smollm2-135m --out DIR")
+    if manifest["dtype"] != "float32":
+        raise ConfigError(f"the engine level runs in float32 against the float32 reference; this bundle is {manifest['dtype']}")
+    reference = read_reference(bundle)
+    chosen = load_prompts(prompts, reference)
+    stored = reference["max_new_tokens"] if reference else DEFAULT_NEW_TOKENS
+    new_tokens = new_tokens or stored
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {new_tokens!r} must be a positive integer")
+    interpreter = engine_python(python)
+    spec = {"model": str(Path(model).absolute()), "bundle": str(Path(bundle).absolute()), "mode": mode,
+            "prompts": [{k: v for k, v in p.items() if k != "source"} for p in chosen], "runs": [r for r, _ in RUNS],
+            "max_new_tokens": new_tokens, "engine": engine_args or {}}
+    with tempfile.TemporaryDirectory(prefix="kvzap-engine-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        if device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        cmd = [interpreter, "-m", "kvzap_export.integrations.sglang.driver", str(spec_path), str(out_path)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        tail: list[str] = []
+        for line in proc.stderr:
+            line = line.rstrip()
+            if line.startswith("kvzap-sglang-driver:") and on_line:
+                on_line(line.split(":", 1)[1].strip())
+            if line.startswith("kvzap-export:"):
+                tail.append(line)  # our own one-line refusals
+            elif line and not line.startswith(" "):
+                tail = (tail + [line])[-20:]
+        if proc.wait() != 0 or not out_path.is_file():
+            ours = [t for t in tail if t.startswith("kvzap-export:")]
+            why = ours[-1] if ours else (tail[-1] if tail else f"exit code {proc.returncode}")
+            return {"status": "failed", "engine": engine, "mode": mode, "error": why, "log_tail": tail,
+                    "summary": f"the SGLang engine did not run to the end: {why}"}
+        raw = json.loads(out_path.read_text())
+    return summarize(raw, reference, mode, new_tokens, [p["source"] for p in chosen])
+
+
+def write_engine_report(bundle: Path, result: dict) -> Path:
+    """``report/engine-<engine>-<mode>.{json,md}``: the whole result, and a per-prompt table."""
+    directory = Path(bundle) / "report"
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"engine-{result['engine']}-{result['mode']}"
+    (directory / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    mark = {"passed": "✓", "failed": "✗"}.get(result["status"], "–")
+    lines = [f"# Engine level: {result['engine']} ({result['mode']} mode) {mark} {result['status']}", "",
+             result.get("compares", ""), "", result["summary"], ""]
+    if result.get("reason"):
+        lines += [f"Not passed: {result['reason']}.", ""]
+    if result.get("error"):
+        lines += [f"Error: {result['error']}", ""]
+    if result.get("prompts"):
+        lines += ["| prompt | decoding | tokens vs kvpress | kvpress differs from dense | KV held | KV dense | freed |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in result["prompts"]:
+            same = {True: "identical", False: f"differ at step {row.get('first_mismatch')}", None: "no reference"}[
+                row["matches_reference"]]
+            differs = {True: "yes", False: "no", None: "–"}[row["reference_differs_from_dense"]]
+            freed = "–" if row["freed_fraction"] is None else f"{row['freed_fraction']:.1%}"
+            lines.append(f"| {row['prompt'] + 1} | {row['decoding']} | {same} | {differs} | {row['kv_held']} | "
+                         f"{row['kv_dense']} | {freed} |")
+        lines.append("")
+    for problem in result.get("problems", []):
+        lines.append(f"- ✗ {problem}")
+    (directory / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return directory / f"{stem}.md"

@@ -1,0 +1,213 @@
+"""KVzap inside the real SGLang 0.5.23 engine on the CPU, against kvpress's tokens.
+
+Each test launches a real ``sglang.Engine`` (in the engine environment, $KVZAP_SGLANG_PYTHON) with the kvzap
+plugin loaded through its entry point, through ``kvzap-export validate --engine sglang``: the engine's greedy
+tokens are compared with kvpress's ``DMSPress(KVzapPress)`` tokens computed here with transformers (the model
+level stores them in the bundle), and the KV held is read from SGLang's allocator. Two models: the embedded
+SmolLM2 (Llama attention, shipped surrogate, τ = -4) and a seeded random tiny Qwen3 (Qwen3 attention, random
+surrogate, τ = 0). To fit CI, the references hold 2 prompts x 24 tokens (kvpress's tokens differ from dense
+ones within them; asserted); docs/integrations.md has the full runs (5 prompts x 64 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvzap_export.cli.main import main
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+PROMPTS, NEW_TOKENS = 2, 24
+
+
+def _bundle(root, model_dir, model, **options):
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.pipeline import ExportOptions, run_pipeline
+    from kvzap_export.validate.model_level import run_model_level
+
+    out = root / "bundle"
+    run_pipeline(ExportOptions(model=str(model), out=out, check=False, **options))
+    # The model level with the kvpress reference: what `kvzap-export validate` stores in a bundle.
+    result = run_model_level(out, read_manifest(out), model=model_dir, prompts=PROMPTS, new_tokens=NEW_TOKENS)
+    assert result["status"] == "passed", result.get("summary")
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from kvzap_export.model_dirs import export_model
+
+    root = tmp_path_factory.mktemp("smollm2")
+    model = export_model("smollm2-135m", root / "model")
+    return model, _bundle(root, "smollm2-135m", "smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from kvzap_export.model_dirs import SURROGATE_DIR, export_model
+
+    root = tmp_path_factory.mktemp("qwen3")
+    model = export_model("tiny-qwen3", root / "model")
+    return model, _bundle(root, str(model), model, weights=str(model / SURROGATE_DIR), threshold=0.0)
+
+
+def engine_level(capsys, model, bundle, mode, *extra) -> tuple[int, dict]:
+    from tests.conftest import sglang_python
+
+    code = main(["validate", str(bundle), "--engine", "sglang", "--engine-mode", mode, "--model", str(model),
+                 "--engine-python", sglang_python(), "--json", *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def why(result: dict) -> str:
+    return json.dumps({k: result.get(k) for k in ("status", "summary", "error", "problems", "log_tail")}, indent=1)
+
+
+def check_against_kvpress(result: dict, reference_ids: list[list[int]]) -> None:
+    assert result["status"] == "passed", why(result)
+    rows = result["prompts"]
+    assert len(rows) == 2 * PROMPTS and {r["decoding"] for r in rows} == {False, True}
+    assert all(r["matches_reference"] is True and len(r["output_ids"]) == NEW_TOKENS for r in rows)
+    assert sorted({tuple(r["prompt_ids"]) for r in rows}) == sorted(tuple(ids) for ids in reference_ids)
+    # The comparison can fail: kvpress's pruned tokens differ from the dense ones the engine gives with KVzap off.
+    assert any(r["reference_differs_from_dense"] for r in rows)
+
+
+def reference_prompts(bundle) -> list[list[int]]:
+    return [p["prompt_ids"] for p in json.loads((bundle / "report" / "reference.json").read_text())["prompts"]]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+def test_mask_mode_gives_kvpress_tokens_and_frees_nothing(request, capsys, which):
+    model, bundle = request.getfixturevalue(which)
+    code, result = engine_level(capsys, model, bundle, "mask")
+    assert code == 0, why(result)
+    check_against_kvpress(result, reference_prompts(bundle))
+    assert all(r["kv_held"] == r["kv_dense"] > 0 for r in result["prompts"])
+    assert (bundle / "report" / "engine-sglang-mask.md").read_text().startswith("# Engine level: sglang (mask mode) ✓ passed")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+def test_evict_mode_gives_kvpress_tokens_and_frees_what_decisions_imply(request, capsys, which):
+    model, bundle = request.getfixturevalue(which)
+    code, result = engine_level(capsys, model, bundle, "evict")
+    assert code == 0, why(result)
+    check_against_kvpress(result, reference_prompts(bundle))
+    for row in result["prompts"]:  # the allocator's count is the decisions' count (one request at a time)
+        assert row["kv_held"] == row["decided_entries"] <= row["kv_dense"]
+    if which == "smollm2":  # τ = -4: some head of some layer keeps every token, so one count per request frees 0
+        assert result["freed_fraction"] == 0.0
+    else:  # τ = 0 on the tiny Qwen3: every head drops something
+        assert result["freed_fraction"] > 0.0
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3"])
+def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(request, capsys, which):
+    model, bundle = request.getfixturevalue(which)
+    code, result = engine_level(capsys, model, bundle, "ragged")
+    assert code == 0, why(result)
+    check_against_kvpress(result, reference_prompts(bundle))
+    for row in result["prompts"]:  # read from the per-head pool's free list, one request at a time
+        assert row["kv_held"] == row["decided_entries"] < row["kv_dense"]
+    if which == "smollm2":  # τ = -4, where one count per request frees 0%: per-head storage frees a third or more
+        assert result["freed_fraction"] > 0.3
+
+
+def test_flex_backend_runs_in_the_cpu_engine(qwen3):
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.validate.engine_level import run_engine_level
+    from tests.conftest import sglang_python
+
+    model, bundle = qwen3
+    result = run_engine_level(bundle, read_manifest(bundle), "sglang", "mask", str(model), python=sglang_python(),
+                              engine_args={"attention_backend": "kvzap_flex"})
+    assert result["engine_info"]["args"]["attention_backend"] == "kvzap_flex"
+    check_against_kvpress(result, reference_prompts(bundle))
+
+
+@pytest.mark.parametrize("mode, args, named", [
+    ("evict", {"disable_radix_cache": False, "page_size": 4},
+     ["the radix cache is on (add --disable-radix-cache)", "the page size is 4 (use --page-size 1"]),
+    ("mask", {"attention_backend": "torch_native", "enable_mixed_chunk": True},
+     ["the decode attention backend is torch_native", "(drop --enable-mixed-chunk)"]),
+])
+def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, named):
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.validate.engine_level import run_engine_level
+    from tests.conftest import sglang_python
+
+    model, bundle = qwen3
+    result = run_engine_level(bundle, read_manifest(bundle), "sglang", mode, str(model), python=sglang_python(),
+                              engine_args=args)
+    assert result["status"] == "failed", result
+    line = result["error"]
+    assert line.startswith(f"kvzap-export: KVzap ({mode} mode) cannot run on this SGLang server: ") and "\n" not in line
+    assert all(text in line for text in named), line
+
+
+def test_a_wrong_plugin_setting_stops_the_engine_before_it_serves(qwen3, tmp_path):
+    from tests.conftest import sglang_python
+
+    model, bundle = qwen3
+    spec = {"model": str(model), "bundle": str(bundle), "mode": "drop", "prompts": [{"text": "hi"}], "runs": ["off"],
+            "max_new_tokens": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert done.returncode != 0 and not (tmp_path / "out.json").exists()
+    ours = [line for line in done.stderr.splitlines() if line.startswith("kvzap-export:")]
+    assert ours == ["kvzap-export: KVZAP_MODE='drop' is not supported; use one of ['evict', 'mask', 'ragged']"], done.stderr[-2000:]
+
+
+def test_prompts_without_a_reference_are_reported_never_passed(capsys, qwen3, tmp_path):
+    model, bundle = qwen3
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["The capital of France is"]))
+    code, result = engine_level(capsys, model, bundle, "mask", "--prompts", str(prompts), "--max-new-tokens", "4")
+    assert code == 3 and result["status"] == "skipped" and "no kvpress reference" in result["reason"]
+    assert all(r["matches_reference"] is None and len(r["output_ids"]) == 4 for r in result["prompts"])
+    assert result["prompts"][0]["prompt_ids"][:1] != []  # as SGLang's tokenizer made them
+    assert sys.modules.get("sglang") is None  # the engine ran in its own environment
+
+
+def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp_path):
+    """200 requests of mixed lengths and settings (some KVzap off) submitted at once to a small pool, a fifth
+    aborted mid-generation: once the scheduler is idle, the per-head pool's free list is full again."""
+    import random
+
+    from tests.conftest import sglang_python
+
+    model, bundle = qwen3
+    ids = [i for p in reference_prompts(bundle) for i in p]
+    rng = random.Random(0)
+    stream = []
+    for i in range(200):
+        n = rng.randint(3, 300)
+        start = rng.randint(0, len(ids) - n)
+        request = {"input_ids": ids[start: start + n], "max_new_tokens": rng.randint(1, 40),
+                   "kvzap": rng.choice(["decoding", "prefill", "off"])}
+        if i % 5 == 0:
+            request["abort_after"] = rng.uniform(0.05, 1.5)
+        stream.append(request)
+    spec = {"model": str(model), "bundle": str(bundle), "mode": "ragged", "stream": stream,
+            "engine": {"max_total_tokens": 1500, "max_running_requests": 12}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    finishes = [r["finish"] for r in out["stream"]]
+    assert len(finishes) == 200 and finishes.count("abort") >= 5, finishes
+    steps = [r for r in out["readings"] if r.get("event") != "idle"]
+    assert max(r["running_requests"] for r in steps) > 1  # requests really shared the pool
+    assert max(r["head_slots_held"] for r in steps) > 0.5 * steps[0]["head_slots_pool"]  # and filled it
+    idle = [r for r in out["readings"] if r.get("event") == "idle"]
+    assert idle and idle[-1]["t"] > max(r["t"] for r in steps)
+    assert idle[-1]["head_slots_free"] == idle[-1]["head_slots_pool"] and idle[-1]["head_slots_held"] == 0
+    assert idle[-1]["rows"] == 0

@@ -1,0 +1,68 @@
+"""The SGLang plugin entry point without an engine: declared by the package, off without a bundle, one line
+on a wrong setting (checked before SGLang is imported, so these run in the main environment).
+
+What the plugin registers and builds inside SGLang is tested in the real engine (test_engine.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+
+import pytest
+
+from kvzap_export.integrations.sglang import plugin
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.setattr(plugin, "_CONFIG", None)
+    monkeypatch.setattr(plugin, "_RUNTIME", None)
+    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_entry_point_is_declared_by_the_package():
+    """Installing kvzap-export next to SGLang is enough: SGLang finds the plugin by this group."""
+    found = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "kvzap"]
+    assert len(found) == 1, "kvzap-export is not installed with its entry points (pip install -e .)"
+    assert found[0].value == "kvzap_export.integrations.sglang.plugin:load_plugin"
+    assert found[0].load() is plugin.load_plugin
+
+
+def test_plugin_is_off_without_a_bundle(clean):
+    assert plugin.load_plugin() is None and plugin._CONFIG is None
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"KVZAP_BUNDLE": "{tmp}/missing"}, "not a bundle directory"),
+    ({"KVZAP_BUNDLE": "{tmp}"}, "no manifest.json"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_DECODING": "yes"}, "KVZAP_DECODING='yes'"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "drop"}, "KVZAP_MODE='drop'"),
+])
+def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean, monkeypatch, tmp_path, env, named):
+    """SGLang logs and ignores a plugin's exception; SystemExit is not an Exception, so the launch stops."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value.format(tmp=tmp_path))
+    with pytest.raises(SystemExit) as info:
+        plugin.load_plugin()
+    message = str(info.value.code)
+    assert message.startswith("kvzap-export: ") and named in message and "\n" not in message
+    assert plugin._CONFIG is None
+
+
+@pytest.mark.slow
+def test_plugin_without_sglang_stops_with_one_line(clean, monkeypatch, tmp_path):
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed in this environment")
+    from kvzap_export.pipeline import ExportOptions, run_pipeline
+
+    bundle = tmp_path / "bundle"
+    run_pipeline(ExportOptions(model="smollm2-135m", out=bundle, check=False))
+    monkeypatch.setenv("KVZAP_BUNDLE", str(bundle))
+    with pytest.raises(SystemExit) as info:
+        plugin.load_plugin()
+    message = str(info.value.code)
+    assert "\n" not in message and "pip install sglang==0.5.23" in message and "sglang_cpu_env.sh" in message
+    assert "sglang" not in sys.modules and plugin._CONFIG is None
