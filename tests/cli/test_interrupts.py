@@ -48,7 +48,7 @@ def _wait_for_onnx_in_tmp(parent: Path, name: str, proc, timeout=120.0):
 def _export_ok(preset, weights, out, *extra):
     proc = _start(preset, weights, out, *extra)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 3, err  # written; validation incomplete (no model ships for this preset)
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_concurrent_exports_one_wins(medium, tmp_path):
     second = _start(preset, weights, out)
     _, err2 = second.communicate(timeout=300)
     _, err1 = first.communicate(timeout=300)
-    assert first.returncode == 0, err1
+    assert first.returncode == 3, err1  # written, validation incomplete
     assert second.returncode == 2
     # Either it met the lock, or it started after the first had finished and met the bundle.
     assert ("another kvzap-export run is writing" in err2 or "pass --force" in err2) and err2.count("\n") == 1
