@@ -12,6 +12,7 @@ class KvzapError(Exception):
     """A user-facing error: one line that names the bad value and what to do about it."""
 
     exit_code = 2
+    label = "error"  # the line's prefix on stderr
 
 
 class ConfigError(KvzapError):
@@ -32,3 +33,16 @@ class InputError(KvzapError):
 
 class MissingDependencyError(KvzapError):
     """An optional dependency is needed for this feature and is not installed."""
+
+
+class ValidationFailedError(KvzapError):
+    """A check failed: the bundle does not match the reference (exit 1, like a failed test)."""
+
+    exit_code = 1
+
+
+class ValidationIncompleteError(KvzapError):
+    """Nothing failed but not every check ran (exit 3): never reported as a pass."""
+
+    exit_code = 3
+    label = "incomplete"

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvzap_export import __version__
-from kvzap_export.bundle import SCHEMA_VERSION, BundleWriter, tool_versions
-from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError
+from kvzap_export.bundle import SCHEMA_VERSION, BundleWriter, sha256_file, tool_versions
+from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError, ValidationFailedError
 from kvzap_export.export.dtypes import canonical_dtype, check_opset
 from kvzap_export.presets import VARIANTS, Preset, load_preset
 
@@ -39,7 +40,10 @@ class ExportOptions:
     max_tokens: int = 8192
     force: bool = False
     check: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    require_trt: bool = False  # fail unless TensorRT and a GPU can build the engines
+    validate_model: str | None = None  # model of the validation stage (default: the preset's shipped one)
+    model_level: bool = True  # run the model-level check in the validation stage
+    require: tuple[str, ...] = ()  # validation levels that must run (else the validation fails)
 
 
 @dataclass
@@ -81,7 +85,7 @@ def _noop_progress(_description: str, _total: int) -> Callable[[], None]:
     return lambda: None
 
 
-def _manifest(resolved: Resolved, surrogate, weights_dir: Path, options: ExportOptions) -> dict[str, Any]:
+def _manifest(resolved: Resolved, surrogate, options: ExportOptions) -> dict[str, Any]:
     preset = resolved.preset
     return {
         "schema_version": SCHEMA_VERSION,
@@ -98,7 +102,7 @@ def _manifest(resolved: Resolved, surrogate, weights_dir: Path, options: ExportO
         "surrogate": {
             "variant": resolved.variant,
             "hidden_dim": surrogate.config.hidden_dim,
-            "source": str(options.weights or preset.hub_id(resolved.variant) or weights_dir),
+            "source": _weights_source(options, resolved),
             "path": "surrogate",
         },
         "pruning": {"threshold": resolved.threshold, "window": resolved.window, "sink": resolved.sink},
@@ -109,8 +113,44 @@ def _manifest(resolved: Resolved, surrogate, weights_dir: Path, options: ExportO
         "tools": tool_versions(),
         "parity": {},
         "rebuild": {},
-        "config": {"preset": preset.to_dict(), "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}},
+        "config": {"preset": {**preset.to_dict(), "source": portable_source(preset.source)}, "options": _portable_options(options)},
     }
+
+
+def portable_source(path: str | Path | None) -> str | None:
+    """A file or directory the bundle was made from, named without the builder's file system: ``shipped:<path
+    inside the package>`` for the toolkit's own files, else ``local:<name>`` (a preset name or hub id stays as is)."""
+    if not path:
+        return None
+    from kvzap_export.presets import CONFIG_DIR, list_presets
+
+    text = str(path)
+    if text in list_presets() or not (os.sep in text or text.endswith((".yaml", ".yml", ".json")) or Path(text).exists()):
+        return text  # a preset name or a hub id
+    resolved = Path(text).expanduser().resolve()
+    package = CONFIG_DIR.resolve().parent
+    if resolved.is_relative_to(package):
+        return f"shipped:{resolved.relative_to(package).as_posix()}"
+    name = f"{resolved.parent.name}/{resolved.name}" if resolved.name == "config.json" else resolved.name
+    return f"local:{name}"
+
+
+def _weights_source(options: ExportOptions, resolved: Resolved) -> str:
+    if options.weights:
+        return portable_source(options.weights)
+    if resolved.preset.surrogate.builtin.get(resolved.variant):
+        return f"shipped:{resolved.preset.name}/{resolved.variant}"
+    return resolved.preset.hub_id(resolved.variant) or "unknown"
+
+
+def _portable_options(options: ExportOptions) -> dict[str, Any]:
+    """The options as given, minus the output path, with paths made portable (``portable_source``)."""
+    values = asdict(options)
+    values.pop("out")
+    for key in ("model", "weights", "validate_model"):
+        values[key] = portable_source(values[key])
+    values["require"] = list(values["require"])
+    return values
 
 
 def rebuild_commands(manifest: dict) -> dict[str, list[str]]:
@@ -155,7 +195,7 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
 
     progress = progress or _noop_progress
     resolved = resolve(options)
-    if options.extra.get("require_trt"):  # fail before the export's work, not after it
+    if options.require_trt:  # fail before the export's work, not after it
         from kvzap_export.trt.availability import tensorrt_status
 
         if (why_not := tensorrt_status()) is not None:
@@ -165,8 +205,9 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
     num_layers = surrogate.config.n_modules
     try:
         with BundleWriter(options.out, force=options.force) as writer:
-            manifest = _manifest(resolved, surrogate, weights_dir, options)
+            manifest = _manifest(resolved, surrogate, options)
             surrogate.save(writer.path("surrogate"))
+            manifest["surrogate"]["sha256"] = sha256_file(writer.path("surrogate") / "model.safetensors")
             advance = progress(f"export {num_layers} {resolved.variant} layers → ONNX ({resolved.dtype})", num_layers)
             manifest["artifacts"] += export_surrogate(surrogate, writer.tmp, resolved.dtype, resolved.opset, on_layer=lambda _l: advance())
             preset = resolved.preset
@@ -178,12 +219,16 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             manifest = _build_stage(writer, manifest, options, progress)
             if options.check:
                 manifest["parity"] = _validate_stage(writer, manifest, options, progress)
-                if not manifest["parity"]["passed"]:
+                if manifest["parity"]["verdict"] == "failed":
                     # A bundle that fails parity is never shipped; the existing one (if any) stays.
-                    raise BundleError(
+                    raise ValidationFailedError(
                         f"validation failed ({', '.join(manifest['parity']['failed'])}); nothing was written. "
                         f"Re-run with --no-validate, then `kvzap-export validate {options.out}` to read the report"
                     )
+            else:
+                manifest["parity"] = {"verdict": "incomplete", "passed": False, "summary": "not validated (--no-validate); "
+                                      f"run `kvzap-export validate {options.out}`",
+                                      "not_run": [{"check": "validation", "level": "all", "reason": "--no-validate"}]}
             writer.commit(manifest)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -204,16 +249,16 @@ def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, p
 
     why_not = tensorrt_status()
     if why_not is not None:
-        if options.extra.get("require_trt"):
+        if options.require_trt:
             raise MissingDependencyError(f"--require-trt: {why_not}")
         manifest["engines"] = {"tensorrt": None, "status": f"no engines built: {why_not}"}
         return manifest
     sources = sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx"))
     try:
-        build_into(writer.tmp, manifest, BuildOptions(require_trt=bool(options.extra.get("require_trt"))),
+        build_into(writer.tmp, manifest, BuildOptions(require_trt=options.require_trt),
                    on_step=progress("build TensorRT engines", sources))
     except BundleError as exc:  # the ONNX bundle still ships; the status says what failed
-        if options.extra.get("require_trt"):
+        if options.require_trt:
             raise
         shutil.rmtree(writer.tmp / "engines", ignore_errors=True)
         manifest["engines"] = {"tensorrt": None, "status": f"engine build failed: {exc}"}
@@ -221,7 +266,7 @@ def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, p
 
 
 def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, progress) -> dict[str, Any]:
-    """Runs ``validate`` on the bundle under construction; the manifest records the summary."""
+    """Runs ``validate`` on the bundle under construction; the manifest records the verdict and its summary."""
     from kvzap_export.bundle.manifest import section_digests, write_json_durably
     from kvzap_export.validate.run import validate_bundle
 
@@ -230,23 +275,35 @@ def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions
     # Engines built by the previous stage are validated too (the plugin-node engine is never built there).
     built = any(a["kind"] == "trt_engine" for a in manifest["artifacts"])
     report = validate_bundle(writer.tmp, ("torch", "onnxrt", "trt") if built else ("torch", "onnxrt"),
-                             model=options.extra.get("validate_model"),
-                             model_level=options.extra.get("model_level", True), progress=progress,
-                             display_name=str(options.out))
+                             model=options.validate_model, model_level=options.model_level, progress=progress,
+                             display_name=str(options.out), require=options.require)
     return {
-        "passed": report["passed"],
+        "verdict": report["verdict"],
+        "passed": report["verdict"] == "passed",
+        "summary": _parity_summary(report),
         "failed": report["failed"],
+        "not_run": report["not_run"],
         "checks": {c["name"]: c["status"] for c in report["checks"] if not c["name"].startswith("operator:surrogate_layer_")},
         "surrogate_layers": _layer_summary(report),
         "report": "report/parity.md",
     }
 
 
+def _parity_summary(report: dict) -> str:
+    ran = [c for c in report["checks"] if c["status"] != "skipped"]
+    line = f"{report['verdict']}: {sum(c['status'] == 'passed' for c in ran)} of {len(report['checks'])} checks passed"
+    if report["failed"]:
+        line += f", failed: {', '.join(report['failed'])}"
+    if report["not_run"]:
+        line += f"; did not run: {', '.join(n['check'] for n in report['not_run'])}"
+    return line
+
+
 def _layer_summary(report: dict) -> dict[str, Any]:
     layers = [c for c in report["checks"] if c["name"].startswith("operator:surrogate_layer_")]
     statuses = {c["status"] for c in layers}
     return {
-        "status": "failed" if "failed" in statuses else ("passed" if "passed" in statuses else "skipped"),
+        "status": "failed" if "failed" in statuses else ("skipped" if "skipped" in statuses or not statuses else "passed"),
         "count": len(layers),
         "max_abs_error": max((c["detail"].get("max_abs_error", 0.0) for c in layers), default=0.0),
         "failed": [c["name"] for c in layers if c["status"] == "failed"],
@@ -269,5 +326,7 @@ def summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "tensorrt": manifest.get("engines", {}).get("tensorrt"),
         "engines": manifest.get("engines", {}).get("status"),
         "parity": parity,
-        "passed": all(status in ("passed", "skipped") for status in parity.values()),
+        "verdict": manifest.get("parity", {}).get("verdict", "incomplete"),
+        "passed": manifest.get("parity", {}).get("verdict") == "passed",
+        "not_run": manifest.get("parity", {}).get("not_run", []),
     }

@@ -35,3 +35,26 @@ def test_smollm2_loads_and_matches_its_preset():
     with torch.no_grad():
         expected = layer0.input_layernorm(llm.model.embed_tokens(ids))
     torch.testing.assert_close(captured[0], expected)
+
+
+@pytest.mark.slow
+def test_gguf_metadata_is_parsed_once_per_load(monkeypatch):
+    """transformers parses the GGUF file for config, tokenizer and tokenizer config separately; we hand out one parse."""
+    from gguf import gguf_reader
+
+    from kvzap_export import llm as llm_module
+
+    parses = []
+    original = gguf_reader.GGUFReader.__init__
+
+    def counting(self, *args, **kwargs):
+        parses.append(args[0] if args else kwargs.get("path"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reader.GGUFReader, "__init__", counting)
+    model, tokenizer = llm_module.load_llm.__wrapped__("smollm2-135m")  # bypass the per-process cache
+    assert len(parses) == 2  # metadata once, weights once (4 without the shared metadata parse)
+    assert tokenizer("KV cache", return_tensors="pt").input_ids.shape[1] >= 2 and model.config.num_hidden_layers == 30
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    assert gguf_utils.load_gguf_checkpoint.__name__ == "load_gguf_checkpoint"  # restored after the load

@@ -3,13 +3,18 @@
 Everything is written into a temporary sibling directory ``.<name>.tmp-<pid>``; on success the
 manifest is fsynced and the directory renamed over ``--out``. A failed or interrupted run leaves an
 existing bundle untouched, and the next run removes temporary siblings left by a killed run.
-A lock file beside ``--out`` stops two runs from writing the same bundle at once.
+A lock stops two runs from writing the same bundle at once. Its file lives in the system's temporary
+directory (named after a hash of ``--out``'s absolute path), never beside ``--out``: a lock file is not
+removed on release (removing it would race with a run waiting for it), so it must not litter the user's
+directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
@@ -41,14 +46,14 @@ class BundleWriter:
         from filelock import FileLock, Timeout
 
         self._check_target()
-        lock_path = self.out.parent / f".{self.out.name}.lock"
-        self._lock = FileLock(str(lock_path))
         try:
+            lock_path = lock_path_for(self.out)
+            self._lock = FileLock(str(lock_path))
             self._lock.acquire(timeout=0)
         except Timeout:
             raise BundleError(f"--out {self.out}: another kvzap-export run is writing this bundle (lock {lock_path}); wait for it") from None
         except OSError as exc:
-            raise BundleError(f"--out {self.out}: cannot create lock file {lock_path} ({exc.strerror})") from None
+            raise BundleError(f"--out {self.out}: cannot create its lock file in {tempfile.gettempdir()} ({exc.strerror})") from None
         if self.out.is_dir() and any(self.out.iterdir()) and not self.force:
             self._release()
             raise BundleError(f"--out {self.out}: directory is not empty; pass --force to replace it or choose another path")
@@ -114,6 +119,14 @@ class BundleWriter:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             self._release()
+
+
+def lock_path_for(out: Path) -> Path:
+    """The lock file of the bundle ``out``: in the temporary directory, one per absolute ``--out`` path."""
+    digest = hashlib.sha256(str(Path(out).expanduser().absolute()).encode()).hexdigest()[:24]
+    directory = Path(tempfile.gettempdir()) / "kvzap-export-locks"
+    directory.mkdir(mode=0o777, exist_ok=True)
+    return directory / f"{digest}.lock"
 
 
 def _fsync_dir(directory: Path) -> None:

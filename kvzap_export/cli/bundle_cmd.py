@@ -47,11 +47,13 @@ def inspect(bundle: str) -> None:
     from rich.table import Table
 
     from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.cli.tables import print_whole
 
     m = read_manifest(bundle)
-    console = Console()
     model, sur, pruning = m["model"], m["surrogate"], m["pruning"]
     head = Table(title=f"kvzap-export bundle {bundle}", show_header=False)
+    head.add_column("what", no_wrap=True)
+    head.add_column("value", overflow="fold")  # long values wrap, and a long word (a path) folds: nothing is cut
     head.add_row("model", f"{model['preset']} ({model.get('hf_id') or '-'}): {model['num_layers']} layers, hidden "
                           f"{model['hidden_size']}, {model['num_attention_heads']} heads / {model['num_kv_heads']} KV heads × {model['head_dim']}")
     head.add_row("surrogate", f"{sur['variant']} (hidden {sur.get('hidden_dim') or '-'}) from {sur['source']}")
@@ -59,7 +61,9 @@ def inspect(bundle: str) -> None:
     head.add_row("graphs", f"{m['dtype']}, opset {m['opset']}, written by kvzap-export {m['kvzap_export_version']}")
     tools = ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items() if v)
     head.add_row("tools", tools + ("" if m.get("tools", {}).get("tensorrt") else "; TensorRT: none"))
-    console.print(head)
+    if m.get("parity"):
+        head.add_row("verdict", m["parity"].get("summary") or m["parity"].get("verdict", "-"))
+    Console().print(head)
     kinds: dict[str, int] = {}
     for artifact in m["artifacts"]:
         kinds[artifact["kind"]] = kinds.get(artifact["kind"], 0) + 1
@@ -68,7 +72,7 @@ def inspect(bundle: str) -> None:
     arts.add_column("count")
     for kind, count in kinds.items():
         arts.add_row(kind, str(count))
-    console.print(arts)
+    print_whole(arts)
     if m.get("parity"):
         from kvzap_export.pipeline import summary
 
@@ -77,4 +81,4 @@ def inspect(bundle: str) -> None:
         checks.add_column("status")
         for name, status in summary(m)["parity"].items():
             checks.add_row(name, str(status))
-        console.print(checks)
+        print_whole(checks)

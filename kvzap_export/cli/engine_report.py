@@ -10,7 +10,6 @@ import click
 
 def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json) -> None:
     from kvzap_export.bundle.manifest import read_manifest
-    from kvzap_export.errors import KvzapError
     from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
 
     bundle = Path(bundle)
@@ -29,8 +28,15 @@ def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, dev
         click.echo(json.dumps(result, indent=2))
     elif not quiet:
         click.echo(report.read_text(), err=True)
-    if result["status"] == "failed":
-        raise KvzapError(f"engine level failed: {result['summary']}; see {report}")
-    if result["status"] != "passed":  # ran, nothing failed, but not everything was compared: never "passed"
-        click.echo(f"engine level incomplete: {result.get('reason', result['summary'])}; see {report}", err=True)
-        raise click.exceptions.Exit(3)
+    # The engine level's result goes through the same three-state verdict as every other level.
+    from kvzap_export.cli.validate_cmd import verdict_error
+    from kvzap_export.validate.checks import Check, not_run, verdict
+
+    status = result["status"] if result["status"] in ("passed", "failed") else "skipped"
+    check = Check(f"engine:{engine}:{mode}", "engine", status,
+                  {**result, "reason": result.get("reason", result.get("summary", ""))})
+    state = verdict([check])
+    error = verdict_error({"verdict": state, "failed": [check.name] if state == "failed" else [],
+                           "not_run": not_run([check])}, str(report))
+    if error is not None:
+        raise error

@@ -2,7 +2,8 @@
 
 Subcommands are loaded lazily (``--help`` does not import torch); the bare
 ``kvzap-export --model M --out DIR`` runs the whole pipeline. User errors (``KvzapError``)
-print one line and exit 2; anything else is a bug and keeps its traceback (exit 1).
+print one line and exit 2 (a failed validation exits 1, an incomplete one 3); anything else is a bug and keeps
+its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ def cli(ctx: click.Context, **options) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
+    if options.get("model") is None and options.get("out") is None:
+        click.echo(ctx.get_help())  # the bare `kvzap-export`: what it can do
+        return
     if options.get("model") is None or options.get("out") is None:
-        click.echo(ctx.get_help())
-        if options.get("model") is None and options.get("out") is None:
-            return
-        raise click.UsageError("the pipeline needs both --model and --out")
+        missing = "--out" if options.get("out") is None else "--model"
+        raise click.UsageError(f"missing {missing}: the pipeline needs both --model and --out", ctx=ctx)
     from kvzap_export.cli.export_cmd import run_pipeline_from_cli
 
     run_pipeline_from_cli(**options)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="kvzap-export", standalone_mode=False)
     except KvzapError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"{exc.label}: {exc}", err=True)
         return exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt):
         # click turns Ctrl-C into Abort; the bundle writer has already removed its temporary directory.

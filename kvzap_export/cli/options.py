@@ -26,7 +26,12 @@ PIPELINE_OPTIONS = [
                  help="Fail (exit 2) unless TensorRT and a GPU are present to build engines; by default the build "
                       "stage is skipped with a one-line status and the manifest records tensorrt: null."),
     click.option("--no-validate", is_flag=True,
-                 help="Skip the validation stage (then run `kvzap-export validate DIR` yourself)."),
+                 help="Skip the validation stage (then run `kvzap-export validate DIR` yourself); the manifest's verdict "
+                      "is then 'incomplete' and the command exits 0."),
+    click.option("--require", default=None, metavar="LEVELS",
+                 help="Validation levels that must run (bundle, operator, decision, model; 'all'): if one does not, the "
+                      "validation fails and nothing is written. Otherwise a bundle some of whose checks could not run is "
+                      "written with the verdict 'incomplete' (exit 3)."),
     click.option("--validate-model", default=None, metavar="PRESET|PATH",
                  help="Model used by the validation stage for real hidden states and generation (default: the preset's "
                       "own when the toolkit ships it offline)."),

@@ -17,13 +17,14 @@ def presets(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in resolved], indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
+    from kvzap_export.cli.tables import print_whole
+
     table = Table(title="kvzap-export presets")
-    for col in ("preset", "HF model", "layers", "hidden", "heads", "KV heads", "head dim", "MLP hidden", "τ default"):
-        table.add_column(col)
+    for col in ("preset", "layers", "hidden", "heads", "KV heads", "head dim", "MLP hidden", "τ", "HF model"):
+        table.add_column(col, no_wrap=True, justify="right" if col not in ("preset", "HF model") else "left")
     for p in resolved:
-        table.add_row(p.name, p.hf_id or "-", str(p.num_layers), str(p.hidden_size), str(p.num_attention_heads),
-                      str(p.num_kv_heads), str(p.head_dim), str(p.mlp_hidden_dim), f"{p.pruning.threshold:g}")
-    Console().print(table)
+        table.add_row(p.name, str(p.num_layers), str(p.hidden_size), str(p.num_attention_heads), str(p.num_kv_heads),
+                      str(p.head_dim), str(p.mlp_hidden_dim), f"{p.pruning.threshold:g}", p.hf_id or "-")
+    print_whole(table)  # never cuts a name, however narrow the terminal

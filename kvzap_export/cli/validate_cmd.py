@@ -1,4 +1,4 @@
-"""``kvzap-export validate``: the parity verdict a CI gate can trust."""
+"""``kvzap-export validate``: the parity verdict a CI gate can trust (exit 0 passed, 1 failed, 3 incomplete)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,42 @@ import json
 import click
 
 
+def verdict_error(report: dict, where: str):
+    """The typed error for a verdict that is not ``passed`` (None when it is)."""
+    from kvzap_export.errors import ValidationFailedError, ValidationIncompleteError
+
+    if report["verdict"] == "failed":
+        return ValidationFailedError(f"validation failed: {', '.join(report['failed'])}; see {where}")
+    if report["verdict"] == "incomplete":
+        missing = ", ".join(n["check"] for n in report["not_run"])
+        return ValidationIncompleteError(f"validation incomplete: nothing failed, but {missing} did not run; see {where} for why")
+    return None
+
+
 @click.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--backends", default="torch,onnxrt", show_default=True,
-              help="Comma-separated backends compared with the PyTorch reference: torch, onnxrt, trt "
-                   "(trt needs TensorRT, a GPU and engines from `kvzap-export build`).")
+@click.option("--backends", default=None,
+              help="Comma-separated backends compared with the PyTorch reference: torch, onnxrt, trt (TensorRT engines from "
+                   "`kvzap-export build`), triton and cuda (the GPU kernels). Default: torch,onnxrt; with --device cuda "
+                   "also triton,cuda.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Device of the PyTorch reference and the model-level run.")
+              help="Device of the PyTorch reference (native dtype there), of ONNX Runtime (its CUDA provider when "
+                   "onnxruntime-gpu is installed) and of the GPU kernels.")
+@click.option("--require", "require", default=None, metavar="LEVELS",
+              help="Comma-separated levels that must run (bundle, operator, decision, model, engine; 'all' = all but "
+                   "engine): a required level that did not run fails the validation (exit 1) instead of leaving it "
+                   "incomplete (exit 3).")
 @click.option("--plugin-lib", "plugin_libs", multiple=True, type=click.Path(), metavar="PATH", envvar="KVZAP_TRT_PLUGIN_LIB",
               help="With --backends trt: the compaction plugin's library (libkvzap_trt_plugin.so, `cmake -S plugins -B build`), "
                    "loaded before the plugin-node engine is deserialized (not needed for version-compatible engines). "
                    "Default: $KVZAP_TRT_PLUGIN_LIB.")
+@click.option("--cuda-lib", default=None, type=click.Path(), metavar="PATH",
+              help="With --device cuda: the CUDA kernel library (libkvzap_kernels.so); default: built with nvcc from plugins/.")
 @click.option("--model", default=None, metavar="PRESET|PATH",
               help="Model for real hidden states and the model-level check: a local HF model directory, or a preset the "
-                   "toolkit ships offline (default: the bundle's preset when it is one, e.g. smollm2-135m).")
-@click.option("--no-model-level", is_flag=True, help="Skip the model-level generation check (operator and decision levels only).")
+                   "toolkit ships offline (default: the bundle's preset when it is one, e.g. smollm2-135m). Without one "
+                   "the decision level runs on synthetic hidden states and the model level does not run.")
+@click.option("--no-model-level", is_flag=True, help="Skip the model-level generation check (the verdict is then incomplete).")
 @click.option("--engine", type=click.Choice(["sglang"]), default=None,
               help="Run only the engine level: a real serving engine with KVzap attached, greedy, vs the kvpress reference "
                    "the bundle carries (report/reference.json, written by the model level). Needs --model DIR.")
@@ -38,22 +59,24 @@ import click
               help="With --engine: greedy tokens per prompt (default: as many as the reference holds).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def validate(bundle, backends, device, plugin_libs, model, no_model_level, engine, engine_mode, engine_python,
+def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
              prompts_file, max_new_tokens, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
     1. operator: every artifact vs the reference, on random and real hidden states, shapes that differ
-       from the export shapes; max abs/rel error per output (compaction graphs: exact);
-    2. decision: keep-mask agreement and unexplained flips (disagreements far from τ);
+       from the export shapes; max abs/rel error per output (compaction graphs and kernels: exact);
+    2. decision: keep-mask agreement over several sequences, flips counted among the decisions outside
+       the window (the ones that can flip);
     3. model: the real model generating with a physically compacted KV cache vs kvpress's masked run
        (stores kvpress's greedy tokens in BUNDLE/report/reference.json);
     4. engine (only with --engine sglang): a real SGLang engine with KVzap attached vs that reference,
        per prompt and KVZAP_DECODING setting, with the KV its allocator held (BUNDLE/report/engine-*.md).
-    Writes BUNDLE/report/parity.{json,md} and plots; exits 2 listing the failed checks.
+    Writes BUNDLE/report/parity.{json,md} and plots. Exit code: 0 passed (every check ran and passed),
+    1 failed, 3 incomplete (nothing failed, something did not run), 2 a usage error.
     """
     from kvzap_export.cli.progress import progress_bars
-    from kvzap_export.errors import KvzapError
+    from kvzap_export.validate.checks import parse_levels
     from kvzap_export.validate.run import parse_backends, validate_bundle
 
     if engine is not None:
@@ -61,15 +84,17 @@ def validate(bundle, backends, device, plugin_libs, model, no_model_level, engin
 
         run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet, as_json)
         return
-    chosen = parse_backends(backends)
+    chosen = parse_backends(backends, device)
+    levels = parse_levels(require)
     with progress_bars(enabled=not (quiet or as_json)) as progress:
         report = validate_bundle(bundle, chosen, device=device, model=model, model_level=not no_model_level, progress=progress,
-                                 plugin_libraries=tuple(plugin_libs))
+                                 plugin_libraries=tuple(plugin_libs), require=levels, cuda_library=cuda_lib)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=float))
     elif not quiet:
         from pathlib import Path
 
         click.echo((Path(bundle) / "report" / "parity.md").read_text(), err=True)
-    if not report["passed"]:
-        raise KvzapError(f"validation failed: {', '.join(report['failed'])}; see {bundle}/report/parity.md")
+    error = verdict_error(report, f"{bundle}/report/parity.md")
+    if error is not None:
+        raise error

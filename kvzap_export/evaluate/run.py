@@ -44,7 +44,7 @@ def evaluate_quality(model: str = "smollm2-135m", variant: str = "mlp", weights:
     from kvzap_export.ops import threshold_compaction
     from kvzap_export.presets import load_preset
     from kvzap_export.surrogate import load_surrogate, resolve_weights
-    from kvzap_export.train.data import held_out_texts
+    from kvzap_export.texts import held_out_texts
 
     preset = load_preset(model)
     window = preset.pruning.window

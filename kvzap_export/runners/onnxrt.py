@@ -46,8 +46,10 @@ def register_custom_ops(options) -> None:
     options.register_custom_ops_library(_define_ops())
 
 
-def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: int | None = None):
-    """An ``onnxruntime.InferenceSession`` on the CPU provider for an ONNX file (or serialized model bytes).
+def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: int | None = None,
+                providers: tuple[str, ...] = ("CPUExecutionProvider",)):
+    """An ``onnxruntime.InferenceSession`` for an ONNX file (or serialized model bytes), on ``providers``
+    (default: the CPU provider; ``validate --device cuda`` passes the CUDA provider first when ORT has it).
 
     ``custom_ops`` registers the plugin-node kernel (needed for ``threshold_compaction_plugin``);
     ``threads`` caps intra-op threads (``None``: ONNX Runtime's default, one per core). Idle worker threads
@@ -66,4 +68,4 @@ def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: i
     if custom_ops:
         register_custom_ops(options)
     return ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
-                                providers=["CPUExecutionProvider"])
+                                providers=list(providers))

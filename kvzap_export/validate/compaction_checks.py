@@ -1,4 +1,9 @@
-"""Operator-level checks of the compaction graphs: decisions must match the reference exactly."""
+"""Operator-level checks of the compaction graphs and kernels: decisions must match the reference exactly.
+
+Independent pairs: the std-ops graph and the K/V-move graph in ONNX Runtime, TensorRT's engines, and the Triton
+and CUDA kernels each compute the decisions themselves and are compared with the PyTorch reference. The plugin
+node in ONNX Runtime is not one: its ORT kernel calls the reference, so it is a contract check (see PLUGIN_CONTRACT).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvzap_export.export.dtypes import TORCH_DTYPES
 from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
 from kvzap_export.runners.torch_ref import TorchRunner
+from kvzap_export.validate.checks import Check
 from kvzap_export.validate.compare import compare_outputs, exact
+from kvzap_export.validate.device import KERNEL_BACKENDS, Device
 
 SHAPES = ((2, 300), (1, 1000), (3, 17))  # (batch, seq); differ from the export sample
 
@@ -39,7 +47,7 @@ def _feeds(manifest: dict, heads: int, dtype: str) -> list[dict]:
 def _reference_compaction(sink: int, dtype: str):
     from kvzap_export.ops import threshold_compaction
 
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
 
     def run(scores, lengths, threshold, window):
         return threshold_compaction(scores.to(torch_dtype), lengths, float(threshold), int(window), sink)
@@ -53,6 +61,19 @@ def _reference_kv():
     return lambda keys, values, indices: kv_compaction(keys, values, indices)
 
 
+def _kernel_compaction(kernels, sink: int, dtype: str):
+    torch_dtype = TORCH_DTYPES[dtype]
+
+    def run(scores, lengths, threshold, window):
+        return kernels.threshold_compaction(scores.to(torch_dtype), lengths, float(threshold), int(window), sink)
+
+    return run
+
+
+def _kernel_kv(kernels):
+    return lambda keys, values, indices: kernels.kv_compaction(keys, values, indices)
+
+
 def _onnxrt_skip_reason(kind: str, dtype: str, backends) -> str | None:
     if "onnxrt" not in backends:
         return "onnxrt backend not requested"
@@ -63,14 +84,15 @@ def _onnxrt_skip_reason(kind: str, dtype: str, backends) -> str | None:
     return None
 
 
-def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plugin_libraries) -> list[tuple[str, object, str | None]]:
+def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plugin_libraries, device: Device
+                     ) -> list[tuple[str, object, str | None]]:
     """``(check name, runner or None, reason when None)`` for each requested backend of this artifact."""
-    kind, dtype = artifact["kind"], manifest["dtype"]
+    kind, dtype, sink = artifact["kind"], manifest["dtype"], manifest["pruning"]["sink"]
     out = []
     reason = _onnxrt_skip_reason(kind, dtype, backends)
     # ORT CPU has no bfloat16 kernels: bfloat16 graphs run emulated (float32 compute, bf16 rounding).
     runner = None if reason else OnnxrtRunner(bundle / artifact["path"], custom_ops=kind.endswith("_plugin"),
-                                              bf16_emulation=dtype == "bfloat16")
+                                              bf16_emulation=dtype == "bfloat16", providers=device.ort_providers, threads=1)
     out.append((f"operator:{kind}", runner, reason))
     if "trt" in backends:
         from kvzap_export.runners.trt import TrtRunner
@@ -79,13 +101,44 @@ def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plu
         skipped = next((s["reason"] for s in (manifest.get("engines") or {}).get("skipped", []) if s.get("source") == artifact["path"]),
                        "no TensorRT engine was built from this artifact")
         out.append((f"operator:{kind}:trt", engine, None if engine else skipped))
+    # The GPU kernels implement the same contract as the std-ops graph and the K/V move (not the plugin node's
+    # ONNX form): each is checked once, beside the artifact it implements.
+    if kind in ("threshold_compaction", "kv_compaction"):
+        outputs = ["keep", "counts", "indices"] if kind == "threshold_compaction" else ["keys_out", "values_out"]
+        for name in (b for b in KERNEL_BACKENDS if b in backends):
+            kernels = device.kernels.get(name, f"the {name} kernels were not set up for device {device.kind}")
+            if isinstance(kernels, str):
+                out.append((f"operator:{kind}:{name}", None, kernels))
+                continue
+            fn = _kernel_compaction(kernels, sink, dtype) if kind == "threshold_compaction" else _kernel_kv(kernels)
+            out.append((f"operator:{kind}:{name}", KernelRunner(fn, outputs, name, device.torch_device), None))
     return out
 
 
-def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_libraries: tuple[str, ...] = ()) -> list:
-    """Each compaction artifact, on each requested backend (ORT; TensorRT engines with ``trt``), vs the reference: exact."""
-    from kvzap_export.validate.run import Check
+class KernelRunner(TorchRunner):
+    """A GPU kernel (Triton, CUDA library) behind the runner contract; inputs moved to its device."""
 
+    def __init__(self, fn, output_names: list[str], backend: str, device: str):
+        super().__init__(fn, {}, output_names, name=f"{backend}-kernel", device=device)
+        self.backend = backend
+
+    def get_input_metadata_impl(self):
+        return self.metadata
+
+    def infer(self, feed):
+        self.metadata = {k: (str(np.asarray(v).dtype), list(np.asarray(v).shape)) for k, v in feed.items()}
+        return super().infer(feed)
+
+
+PLUGIN_CONTRACT = ("contract: ONNX Runtime's kernel for this node calls the PyTorch reference, so this checks the node's "
+                   "names, attributes, dtypes and shapes, not its numerics (the TensorRT plugin's numerics: --backends trt)")
+
+
+def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_libraries: tuple[str, ...] = (),
+                               device: Device | None = None) -> list[Check]:
+    """Each compaction artifact, on each requested backend (ORT; TensorRT engines with ``trt``; the Triton / CUDA
+    kernels with ``triton`` / ``cuda``), vs the reference (on ``device``): exact."""
+    device = device or Device("cpu")
     checks = []
     heads = manifest["model"]["num_kv_heads"]
     dtype = manifest["dtype"]
@@ -99,12 +152,12 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
         else:
             feeds, ref_fn, outputs = _feeds(manifest, heads, dtype), _reference_compaction(sink, dtype), ["keep", "counts", "indices"]
         references = None
-        for name, runner, reason in _backend_runners(bundle, manifest, artifact, backends, plugin_libraries):
+        for name, runner, reason in _backend_runners(bundle, manifest, artifact, backends, plugin_libraries, device):
             if runner is None:
                 checks.append(Check(name, "operator", "skipped", {"reason": reason}))
                 continue
             if references is None:
-                references = [_run_reference(ref_fn, feed, outputs) for feed in feeds]
+                references = [_run_reference(ref_fn, feed, outputs, device.torch_device) for feed in feeds]
             mismatches, failed = 0, []
             with runner:
                 for feed, ref in zip(feeds, references):
@@ -113,15 +166,17 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
                         if not result.passed:
                             failed.append(result.output)
             first = next(iter(feeds[0]))
+            contract = kind.endswith("_plugin") and runner.backend.startswith("onnxrt")
             checks.append(Check(name, "operator", "failed" if failed else "passed",
                                 {"artifact": artifact["path"], "shapes": [list(f[first].shape) for f in feeds],
-                                 "mismatches": mismatches, "comparison": "exact", "backend": runner.backend,
+                                 "mismatches": mismatches, "comparison": PLUGIN_CONTRACT if contract else "exact",
+                                 "backend": runner.backend, "reference_device": device.torch_device,
                                  **({"failed": sorted(set(failed))} if failed else {})}))
     return checks
 
 
-def _run_reference(ref_fn, feed: dict, outputs: list[str]) -> dict:
-    with TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs) as reference:
+def _run_reference(ref_fn, feed: dict, outputs: list[str], device: str = "cpu") -> dict:
+    with TorchRunner(ref_fn, {k: (str(v.dtype), list(v.shape)) for k, v in feed.items()}, outputs, device=device) as reference:
         return reference.infer(feed)
 
 

@@ -1,13 +1,38 @@
-"""Real hidden states for the checks: the post-input-RMSNorm activations of a real model on real text."""
+"""Hidden states for the checks: the attention block's input (post-input-RMSNorm activations).
+
+Real: a real model on several held-out texts (``TEXTS`` × up to ``TOKENS_PER_TEXT`` tokens, about 2.4k in all).
+Synthetic, when no model can be loaded here: sequences with the statistics of an RMSNorm output (see
+:func:`synthetic_hidden_states`), labelled ``synthetic`` in the report.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-HELD_OUT_TOPIC = "assert"  # a pydoc topic; validation text is not training text (training samples other topics)
-MAX_TOKENS = 320
+TEXTS = 4
+TOKENS_PER_TEXT = 600  # 4 × 600 = 2,400 tokens per layer; with window 128, 1,888 of them can be evicted
+OPERATOR_TOKENS = 320  # the real-states feed of the operator level (and the Polygraphy replay file)
+SYNTHETIC_HOW = ("per token: z ~ N(mu, I) over the hidden channels, with per-channel means mu ~ N(0, 0.5^2) and 2 "
+                 "outlier channels at 20x (massive activations), divided by its RMS, times a per-channel RMSNorm gain "
+                 "g ~ LogNormal(0, 0.5^2); seeded per layer")
+
+
+class HiddenStates(NamedTuple):
+    """texts[i][layer]: (num_tokens, hidden_size) float32; source: 'real' (model named) or 'synthetic'."""
+
+    texts: list[dict[int, torch.Tensor]]
+    source: str
+    description: str
+
+    def operator_feed(self, layer: int) -> torch.Tensor | None:
+        first = self.texts[0] if self.texts else {}
+        return first[layer][:OPERATOR_TOKENS] if layer in first else None
+
+    def tokens(self) -> int:
+        return sum(next(iter(text.values())).shape[0] for text in self.texts if text)
 
 
 def resolve_model(manifest: dict, model: str | None) -> str | None:
@@ -22,26 +47,56 @@ def resolve_model(manifest: dict, model: str | None) -> str | None:
     return None
 
 
-def held_out_text() -> str:
-    from pydoc_data.topics import topics
-
-    return topics[HELD_OUT_TOPIC] + "\n" + topics.get("with", "")
-
-
 @functools.lru_cache(maxsize=2)
-def _capture(model: str) -> dict[int, torch.Tensor]:
+def _capture(model: str, texts: int, tokens: int) -> tuple[dict[int, torch.Tensor], ...]:
     from kvzap_export.llm import capture_hidden_states, load_llm
+    from kvzap_export.texts import held_out_texts
+    from kvzap_export.threads import large_work_threads, torch_threads
 
     llm, tokenizer = load_llm(model, dtype="float32")
-    ids = tokenizer(held_out_text(), return_tensors="pt").input_ids[:, :MAX_TOKENS]
-    with capture_hidden_states(llm) as captured, torch.no_grad():
-        llm(input_ids=ids)
-    return {layer: states[0].detach().clone() for layer, states in captured.items()}
+    out = []
+    for text in held_out_texts(texts):
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+        with capture_hidden_states(llm) as captured, torch.no_grad(), torch_threads(large_work_threads()):
+            llm(input_ids=ids)
+        out.append({layer: states[0].detach().clone() for layer, states in captured.items()})
+    return tuple(out)
 
 
-def real_hidden_states(manifest: dict, model: str | None) -> dict[int, torch.Tensor] | None:
-    """layer -> (num_tokens, hidden_size) float32, or None when no model can be loaded here."""
+def real_hidden_states(model: str, texts: int = TEXTS, tokens: int = TOKENS_PER_TEXT) -> HiddenStates:
+    captured = list(_capture(model, texts, tokens))
+    total = sum(next(iter(t.values())).shape[0] for t in captured)
+    return HiddenStates(captured, "real", f"{model} on {len(captured)} held-out texts ({total} tokens)")
+
+
+def synthetic_hidden_states(num_layers: int, hidden_size: int, texts: int = TEXTS, tokens: int = TOKENS_PER_TEXT,
+                            seed: int = 0) -> HiddenStates:
+    """RMSNorm-like activations (see ``SYNTHETIC_HOW``): unit RMS per token before the gain, channel-wise
+    structure (means, gains, a few outliers) as real attention inputs have, seeded per layer."""
+    out: list[dict[int, torch.Tensor]] = [{} for _ in range(texts)]
+    for layer in range(num_layers):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+        mean = torch.randn(hidden_size, generator=gen) * 0.5
+        gain = torch.exp(torch.randn(hidden_size, generator=gen) * 0.5)
+        outliers = torch.randperm(hidden_size, generator=gen)[:2]
+        for i in range(texts):
+            z = torch.randn(tokens, hidden_size, generator=gen) + mean
+            z[:, outliers] *= 20.0
+            out[i][layer] = z / z.pow(2).mean(dim=-1, keepdim=True).sqrt() * gain
+    return HiddenStates(out, "synthetic", f"synthetic RMSNorm-like states ({texts} sequences × {tokens} tokens): {SYNTHETIC_HOW}")
+
+
+def hidden_states_for(manifest: dict, model: str | None) -> HiddenStates:
+    """Real states from ``model`` (or the bundle's shipped model), else synthetic ones."""
+    from kvzap_export.errors import MissingDependencyError
+
     target = resolve_model(manifest, model)
-    if target is None:
-        return None
-    return _capture(target)
+    why = "no local model for this preset (pass --model PATH to a HF model directory)"
+    if target is not None:
+        try:
+            return real_hidden_states(target)
+        except MissingDependencyError as exc:
+            why = f"{target} cannot be loaded here ({exc})"
+    m = manifest["model"]
+    states = synthetic_hidden_states(m["num_layers"], m["hidden_size"])
+    return states._replace(description=f"{states.description}; real states unavailable: {why}")

@@ -63,12 +63,13 @@ def _sessions(bundle: Path, manifest: dict) -> tuple[dict[int, object], object, 
 
     layers, compaction, kv = {}, None, None
     for art in manifest["artifacts"]:
+        # One intra-op thread: these graphs are small, and ORT's pool would wait on the cores torch uses.
         if art["kind"] == "surrogate_layer":
-            layers[art["layer"]] = OnnxrtRunner(bundle / art["path"])
+            layers[art["layer"]] = OnnxrtRunner(bundle / art["path"], threads=1)
         elif art["kind"] == "threshold_compaction":
-            compaction = OnnxrtRunner(bundle / art["path"])
+            compaction = OnnxrtRunner(bundle / art["path"], threads=1)
         elif art["kind"] == "kv_compaction":
-            kv = OnnxrtRunner(bundle / art["path"])
+            kv = OnnxrtRunner(bundle / art["path"], threads=1)
     return layers, compaction, kv
 
 
@@ -103,6 +104,7 @@ class Generation(NamedTuple):
     counts: list[np.ndarray]  # per layer: kept entries per KV head after the prompt
     prompt_len: int
     held_bytes: int  # K/V bytes the compacted cache holds after the prompt, measured from its tensors
+    full_bytes: int  # K/V bytes of the dense prompt cache the model built, measured from its tensors before compaction
 
 
 @contextlib.contextmanager
@@ -127,12 +129,14 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
     from transformers import DynamicCache
 
     from kvzap_export.llm import capture_hidden_states
+    from kvzap_export.threads import large_work_threads, torch_threads
 
     cache = DynamicCache()
-    with torch.no_grad(), capture_hidden_states(llm) as hidden:
+    with torch.no_grad(), capture_hidden_states(llm) as hidden, torch_threads(large_work_threads()):  # the prefill
         out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
         prompt_hidden = {k: v.clone() for k, v in hidden.items()}
     logits = [out.logits[:, -1]]
+    full = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     with compacted_attention(llm), torch.no_grad():
         counts, prompt_len = _compact_cache(cache, prompt_hidden, runners, manifest)
         held = sum(layer.held_bytes() for layer in cache.layers)
@@ -144,25 +148,26 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
             logits.append(out.logits[:, -1])
             token = logits[-1].argmax(-1, keepdim=True)
             tokens.append(token)
-    return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held)
+    return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held, full)
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False):
-    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy."""
+    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun)."""
     from kvzap_export.validate.reference import generate_kvpress as run
 
     return run(llm, ids, bundle, manifest, new_tokens, decoding)
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
-    from kvzap_export.train.data import held_out_texts
+    from kvzap_export.texts import held_out_texts
 
     return [tokenizer(text, return_tensors="pt").input_ids[:, :tokens] for text in held_out_texts(count)]
 
 
 def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, new_tokens: int = 64,
-                    prompt_tokens: int = 400, logits_atol: float = 1e-3) -> dict:
-    """Compares greedy continuations and logits, and reports the KV bytes each layout holds."""
+                    prompt_tokens: int = 400, logits_atol: float = 1e-3, progress=None) -> dict:
+    """Compares greedy continuations and logits with kvpress, and the K/V bytes the compacted cache held
+    (measured from its tensors) with the dense cache's (measured) minus the entries kvpress masked."""
     from kvzap_export.llm import load_llm
     from kvzap_export.ops import memory_report
     from kvzap_export.validate import reference as ref
@@ -171,47 +176,67 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
                                                f"this bundle is {manifest['dtype']}"}
     llm, tokenizer = load_llm(model, dtype="float32")
-    per_prompt, worst_logits, all_counts, lengths, measured = [], 0.0, [], [], 0
+    steps_per_prompt = 3  # our compacted run, kvpress prefill-only, kvpress decoding=True (stored as the reference)
+    advance = progress(f"model level: {prompts} prompts × (compacted run, kvpress ×2), {new_tokens} tokens each",
+                       steps_per_prompt * prompts) if progress else (lambda: None)
+    per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
+    held_total = full_total = masked_total = 0
     # The bundle carries kvpress's greedy tokens (prefill-only and decoding=True) for engines to compare with.
     reference = ref.new_reference(manifest, model, "float32", new_tokens)
-    for number, ids in enumerate(held_out_prompts(tokenizer, prompts, prompt_tokens)):
-        ours, our_logits, counts, prompt_len, held = generate_compacted(llm, ids, bundle, manifest, new_tokens)
-        theirs, their_logits = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
-        decoding_tokens, _ = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True)
-        ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
-                       {False: theirs, True: decoding_tokens})
-        same = bool(torch.equal(ours, theirs))
-        # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
-        steps = new_tokens if same else int((ours != theirs).int().argmax()) + 1
-        diff = float((our_logits[:, :steps] - their_logits[:, :steps]).abs().max())
-        worst_logits = max(worst_logits, diff)
-        report = memory_report(torch.from_numpy(np.stack(counts))[:, None, :], torch.tensor([prompt_len]))
-        per_prompt.append({"prompt_tokens": prompt_len, "identical_tokens": same, "max_logits_diff": diff,
-                           "pruned_fraction": report["ragged_freed"]})
-        all_counts.append(np.stack(counts))
-        lengths.append(prompt_len)
-        measured += held
-    # Bytes of K and V over all prompts, per layout (float32, as this run).
-    head_dim = manifest["model"]["head_dim"]
-    per_entry = 2 * head_dim * 4
+    with artifact_sessions(bundle, manifest) as runners:
+        for number, ids in enumerate(held_out_prompts(tokenizer, prompts, prompt_tokens)):
+            ours = generate_compacted(llm, ids, bundle, manifest, new_tokens, runners)
+            advance()
+            theirs = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
+            advance()
+            decoding = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True)
+            advance()
+            ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
+                           {False: theirs.tokens, True: decoding.tokens})
+            same = bool(torch.equal(ours.tokens, theirs.tokens))
+            # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
+            steps = new_tokens if same else int((ours.tokens != theirs.tokens).int().argmax()) + 1
+            diff = float((ours.logits[:, :steps] - theirs.logits[:, :steps]).abs().max())
+            worst_logits = max(worst_logits, diff)
+            counts = np.stack(ours.counts)
+            entries = counts.size * ours.prompt_len
+            per_prompt.append({"prompt_tokens": ours.prompt_len, "identical_tokens": same, "max_logits_diff": diff,
+                               "pruned_fraction": 1.0 - int(counts.sum()) / entries, "kvpress_masked_fraction": theirs.masked / entries,
+                               "held_bytes": ours.held_bytes, "full_bytes": ours.full_bytes})
+            all_counts.append(counts)
+            lengths.append(ours.prompt_len)
+            held_total += ours.held_bytes
+            full_total += ours.full_bytes
+            masked_total += theirs.masked
+    # Bytes each engine layout would hold, computed from the compaction's counts (float32, as this run).
+    per_entry = 2 * manifest["model"]["head_dim"] * 4
     reports = [memory_report(torch.from_numpy(c)[:, None, :], torch.tensor([n])) for c, n in zip(all_counts, lengths)]
-    layouts = {}
-    for name in ("full", "ragged", "per_layer_padded", "uniform"):
-        held = sum(r[f"{name}_entries"] for r in reports) * per_entry
-        layouts[name] = {"bytes": int(held), "freed_fraction": 1.0 - held / (sum(r["full_entries"] for r in reports) * per_entry)}
-    pruned = 1.0 - sum(r["ragged_entries"] for r in reports) / sum(r["full_entries"] for r in reports)
+    full_entries = sum(r["full_entries"] for r in reports)
+    layouts = {name: {"bytes": int(sum(r[f"{name}_entries"] for r in reports) * per_entry),
+                      "freed_fraction": 1.0 - sum(r[f"{name}_entries"] for r in reports) / full_entries}
+               for name in ("ragged", "per_layer_padded", "uniform")}
+    pruned = 1.0 - sum(r["ragged_entries"] for r in reports) / full_entries
     identical = all(p["identical_tokens"] for p in per_prompt)
-    # What the compacted cache really held (its tensors' bytes) must be the ragged layout's count.
-    bytes_ok = measured == layouts["ragged"]["bytes"] <= layouts["full"]["bytes"] * (1.0 - pruned) + 1 and pruned > 0
+    # Two independent measurements meet here: the bytes our compacted cache's tensors held, and the dense cache's
+    # bytes (its tensors, before compaction) less the entries kvpress's own run masked on the same prompts.
+    entry_bytes = full_total // max(full_entries, 1)  # one (layer, head, position)'s K and V, from the measured cache
+    expected_held = full_total - masked_total * entry_bytes
+    bytes_ok = held_total == expected_held and masked_total > 0
     passed = identical and worst_logits <= logits_atol and bytes_ok
     ref.write_reference(bundle, reference)
+    held_fraction = held_total / max(full_total, 1)
     return {"status": "passed" if passed else "failed", "mode": "prefill compaction (kvpress decoding=False)",
             "prompts": per_prompt, "new_tokens": new_tokens, "identical_continuations": sum(p["identical_tokens"] for p in per_prompt),
             "max_logits_diff": worst_logits, "logits_atol": logits_atol, "pruned_fraction": pruned,
-            "kv_cache_layouts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
-            "measured_held_bytes": measured, "reference": str(ref.PATH),
+            "kvpress_masked_fraction": masked_total / max(full_entries, 1),
+            "measured_held_bytes": held_total, "measured_full_bytes": full_total, "expected_held_bytes": expected_held,
+            "bytes_comparison": "held bytes measured from the compacted cache's tensors vs the dense cache's bytes measured "
+                                "before compaction less the entries kvpress masked (kvpress's own decisions)",
+            "kv_cache_layouts_from_counts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
+            "reference": str(ref.PATH),
             "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
-                       f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%}; KV bytes held (measured) "
-                       f"{measured / layouts['full']['bytes']:.1%} of full; layouts: ragged "
-                       f"{1 - layouts['ragged']['freed_fraction']:.1%}, per-layer padded {1 - layouts['per_layer_padded']['freed_fraction']:.1%}, "
+                       f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%} (kvpress masked {masked_total / max(full_entries, 1):.1%}); "
+                       f"K/V bytes held {held_fraction:.1%} of the full cache (both measured"
+                       f"{'' if bytes_ok else f'; expected {expected_held / max(full_total, 1):.1%} from kvpress’s masks'}); "
+                       f"layouts from counts: per-layer padded {1 - layouts['per_layer_padded']['freed_fraction']:.1%}, "
                        f"uniform {1 - layouts['uniform']['freed_fraction']:.1%} of full"}

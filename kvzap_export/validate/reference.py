@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -36,15 +37,25 @@ def kvpress_press(bundle: Path, manifest: dict, llm, decoding: bool):
     return DMSPress(press=scorer, threshold=pruning["threshold"], sliding_window_size=pruning["window"], decoding=decoding)
 
 
-def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False):
-    """kvpress's masked greedy run on one prompt: (tokens (1, new_tokens), logits (1, new_tokens, vocab))."""
+class KvpressRun(NamedTuple):
+    tokens: torch.Tensor  # (1, new_tokens)
+    logits: torch.Tensor  # (1, new_tokens, vocab)
+    masked: int  # K/V entries (layer × head × position) kvpress masked by the end of the run
+
+
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False) -> KvpressRun:
+    """kvpress's masked greedy run on one prompt: tokens (1, new_tokens), logits (1, new_tokens, vocab), and how many
+    entries it masked (read from each attention module's ``masked_key_indices`` before they are cleared)."""
     press = kvpress_press(bundle, manifest, llm, decoding)
     with press(llm), torch.no_grad():
         out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, return_dict_in_generate=True, output_logits=True)
+    masked = 0
     for layer in llm.model.layers:
+        indices = getattr(layer.self_attn, "masked_key_indices", None)
+        masked += 0 if indices is None else int(indices[0].numel())
         layer.self_attn.masked_key_indices = None
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked)
 
 
 def _tools() -> dict:

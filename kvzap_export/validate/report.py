@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,26 +16,53 @@ _MARK = {"passed": "✓", "failed": "✗", "skipped": "–"}
 def _headline(check: dict) -> str:
     d = check["detail"]
     if check["status"] == "skipped":
-        return d.get("reason", "")
+        return f"did not run: {d.get('reason', '')}"
     if "unexplained_flips" in d:
-        return (f"{d.get('backend', 'onnxrt')} in {d.get('dtype', 'float32')}: {d['flips']} flips of {d['decisions']} "
-                f"decisions, {d['unexplained_flips']} unexplained (tolerance {d['tolerance']:.2g} around "
-                f"τ = {d['threshold']:g}); pruned {d['pruned_fraction']:.1%}")
+        return (f"{d.get('backend', 'onnxrt')} in {d.get('dtype', 'float32')} on {d.get('hidden_states', 'real')} hidden states "
+                f"({d.get('sequences', 1)} sequences, {d.get('tokens', '?')} tokens per layer): {d['flips']} flips of "
+                f"{d.get('decisions_outside_window', d['decisions'])} decisions that can flip (outside the window; "
+                f"{d['decisions']} in all), {d['unexplained_flips']} unexplained, {d.get('explained_flips', 0)} within the "
+                f"tolerance {d['tolerance']:.2g} of τ = {d['threshold']:g} (allowed {d.get('explained_flip_budget', 0)}); "
+                f"pruned {d['pruned_fraction']:.1%}")
     if "max_abs_error" in d:
         return f"{', '.join(d.get('backends', []))}: max abs {d['max_abs_error']:.2e}, max rel {d['max_rel_error']:.2e}" + \
             (f"; failed {d['failed']}" if d.get("failed") else "")
     if "mismatches" in d:
-        return (f"{d.get('backend', 'onnxrt')}: exact comparison, {d['mismatches']} mismatching elements over shapes "
-                f"{d.get('shapes')}")
+        what = "contract check" if str(d.get("comparison", "")).startswith("contract") else "exact comparison with the reference"
+        return (f"{d.get('backend', 'onnxrt')}: {what}, {d['mismatches']} mismatching elements over shapes {d.get('shapes')}"
+                + (f" ({d['comparison']})" if what == "contract check" else ""))
     if "problems" in d:
         return "; ".join(d["problems"]) or "manifest sections match their digests"
-    return d.get("summary", "")
+    return d.get("summary", d.get("reason", ""))
+
+
+VERDICT_LINE = {"passed": "PASSED (every check ran and passed)", "failed": "FAILED",
+                "incomplete": "INCOMPLETE (nothing failed, but not every check ran)"}
+
+
+def _device_line(device: dict) -> str:
+    if not isinstance(device, dict):
+        return f"device {device}"
+    parts = [f"device {device.get('kind', 'cpu')}"]
+    for key in ("gpu", "compute_capability", "driver", "cuda", "torch"):
+        if device.get(key):
+            parts.append(f"{key} {device[key]}")
+    if device.get("onnxruntime_note"):
+        parts.append(device["onnxruntime_note"])
+    return ", ".join(parts)
 
 
 def _markdown(report: dict) -> str:
-    verdict = "PASSED" if report["passed"] else f"FAILED: {', '.join(report['failed'])}"
-    lines = [f"# Parity report: {verdict}", "", f"Bundle `{report['bundle']}`, backends {', '.join(report['backends'])}, "
-             f"device {report['device']}.", ""]
+    state = report.get("verdict", "passed" if report.get("passed") else "failed")
+    lines = [f"# Parity report: {VERDICT_LINE[state]}", ""]
+    if report.get("failed"):
+        lines += [f"Failed: {', '.join(report['failed'])}.", ""]
+    if report.get("not_run"):
+        lines += ["Did not run:", ""] + [f"- {n['check']}: {n['reason']}" for n in report["not_run"]] + [""]
+    if report.get("not_written"):
+        lines += ["Optional parts not written:", ""] + [f"- `{n['part']}`: {n['why']}" + (f" (`{n['install']}`)" if n.get("install") else "")
+                                                       for n in report["not_written"]] + [""]
+    lines += [f"Bundle `{report['bundle']}`, backends {', '.join(report['backends'])}, {_device_line(report['device'])}.", ""]
     levels = {}
     for check in report["checks"]:
         levels.setdefault(check["level"], []).append(check)
@@ -46,22 +74,26 @@ def _markdown(report: dict) -> str:
             failed = [c for c in operator_layers if c["status"] == "failed"]
             status = "failed" if failed else operator_layers[0]["status"]
             worst = max((c["detail"].get("max_abs_error", 0.0) for c in operator_layers), default=0.0)
-            lines.append(f"- {_MARK[status]} surrogate layers ({len(operator_layers)}): max abs error {worst:.2e}"
+            source = operator_layers[0]["detail"].get("hidden_states")
+            lines.append(f"- {_MARK[status]} surrogate layers ({len(operator_layers)}) vs PyTorch: max abs error {worst:.2e}"
+                         + (f" (random and {source} hidden states)" if source and source != "random only" else "")
                          + (f"; failed: {', '.join(c['name'] for c in failed)}" if failed else "")
-                         + (f" ({operator_layers[0]['detail'].get('reason')})" if status == "skipped" else ""))
+                         + (f" (did not run: {operator_layers[0]['detail'].get('reason')})" if status == "skipped" else ""))
         for check in others:
             lines.append(f"- {_MARK[check['status']]} {check['name']}: {_headline(check)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _plots(directory: Path, samples: dict, plots: dict, manifest: dict) -> list[str]:
+def _plots(directory: Path, samples: dict, plots: dict, manifest: dict, not_written: list[dict]) -> list[str]:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
+        not_written.append({"part": f"{REPORT_DIR}/scores.png, {REPORT_DIR}/compression.png",
+                            "why": "plots need matplotlib, which is not installed", "install": PLOTS_INSTALL})
         return []
     written = []
     if any(gots for _f, _r, gots in samples.values()):
@@ -95,17 +127,28 @@ def _plots(directory: Path, samples: dict, plots: dict, manifest: dict) -> list[
     return written
 
 
-def _polygraphy(directory: Path, samples: dict, manifest: dict) -> list[str]:
+POLYGRAPHY_INSTALL = "pip install 'kvzap-export[polygraphy]'"
+PLOTS_INSTALL = "pip install 'kvzap-export[model]'"
+
+
+def _polygraphy(directory: Path, samples: dict, manifest: dict, not_written: list[dict]) -> list[str]:
     """Inputs and reference outputs of layer 0 in Polygraphy's formats, and the line that replays them."""
+    part = f"{REPORT_DIR}/polygraphy/"
     try:
         from polygraphy.comparator import RunResults
         from polygraphy.comparator.struct import IterationResult
         from polygraphy.json import save_json
         from polygraphy.logger import G_LOGGER
     except ModuleNotFoundError:
+        not_written.append({"part": part, "why": "Polygraphy replay files need polygraphy, which is not installed",
+                            "install": POLYGRAPHY_INSTALL})
         return []
     G_LOGGER.module_severity = G_LOGGER.ERROR  # it logs to stdout, which carries --json
-    if not samples or manifest["dtype"] == "bfloat16":
+    if not samples:
+        not_written.append({"part": part, "why": "no surrogate graph was checked"})
+        return []
+    if manifest["dtype"] == "bfloat16":
+        not_written.append({"part": part, "why": "Polygraphy's JSON holds numpy arrays, which have no bfloat16"})
         return []
     layer = min(samples)
     feeds, refs, _gots = samples[layer]
@@ -129,8 +172,15 @@ def _polygraphy(directory: Path, samples: dict, manifest: dict) -> list[str]:
 def write_report(bundle: Path, manifest: dict, report: dict[str, Any], samples: dict, plots: dict) -> Path:
     directory = bundle / REPORT_DIR
     directory.mkdir(exist_ok=True)
-    report["plots"] = _plots(directory, samples, plots, manifest)
-    report["polygraphy"] = _polygraphy(directory, samples, manifest)
+    not_written: list[dict] = []
+    report["plots"] = _plots(directory, samples, plots, manifest, not_written)
+    report["polygraphy"] = _polygraphy(directory, samples, manifest, not_written)
+    report["not_written"] = not_written
+    # A part this run did not write must not survive from an earlier run beside the new report.
+    if not report["polygraphy"]:
+        shutil.rmtree(directory / "polygraphy", ignore_errors=True)
+    for stale in {"scores.png", "compression.png"} - set(report["plots"]):
+        (directory / stale).unlink(missing_ok=True)
     (directory / "parity.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     md = _markdown(report)
     if report["polygraphy"]:

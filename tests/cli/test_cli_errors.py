@@ -85,7 +85,7 @@ def test_out_is_a_file(small, tmp_path, capsys):
 def test_non_empty_out_without_force_keeps_existing_bundle(small, tmp_path, capsys):
     preset, weights = small
     out = tmp_path / "out"
-    assert _run(["--model", preset, "--weights", weights, "--out", out, "--quiet"], capsys)[0] == 0
+    assert _run(["--model", preset, "--weights", weights, "--out", out, "--quiet"], capsys)[0] == 3  # written, incomplete
     before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*")}
     code, err = _run(["--model", preset, "--weights", weights, "--out", out], capsys)
     _assert_one_line_error(code, err, "--force")
@@ -95,7 +95,7 @@ def test_non_empty_out_without_force_keeps_existing_bundle(small, tmp_path, caps
 def test_failed_run_leaves_existing_bundle_untouched(small, tmp_path, capsys):
     preset, weights = small
     out = tmp_path / "out"
-    assert _run(["--model", preset, "--weights", weights, "--out", out, "--quiet"], capsys)[0] == 0
+    assert _run(["--model", preset, "--weights", weights, "--out", out, "--quiet"], capsys)[0] == 3  # written, incomplete
     manifest = (out / "manifest.json").read_bytes()
     Surrogate(SurrogateConfig(64, 2, 5, 8)).save(tmp_path / "bad")
     code, err = _run(["--model", preset, "--weights", tmp_path / "bad", "--out", out, "--force"], capsys)
@@ -108,7 +108,7 @@ def test_force_replaces_bundle(small, tmp_path, capsys):
     preset, weights = small
     out = tmp_path / "out"
     (out / "junk").mkdir(parents=True)
-    assert _run(["--model", preset, "--weights", weights, "--out", out, "--force", "--quiet"], capsys)[0] == 0
+    assert _run(["--model", preset, "--weights", weights, "--out", out, "--force", "--quiet"], capsys)[0] == 3
     assert not (out / "junk").exists() and (out / "manifest.json").is_file()
     assert _no_leftovers(tmp_path, "out") == []
 
@@ -156,9 +156,12 @@ def test_unwritable_out(small, read_only_dir, capsys):
     assert list(read_only_dir.iterdir()) == []
 
 
-def test_missing_out_is_a_usage_error(capsys):
-    code, err = _run(["--model", "llama-3.1-8b"], capsys)
-    assert code == 2 and err.strip().splitlines()[-1] == "error: the pipeline needs both --model and --out (see `kvzap-export --help`)"
+@pytest.mark.parametrize("args, missing", [(["--model", "llama-3.1-8b"], "--out"), (["--out", "x"], "--model")])
+def test_missing_out_is_one_line_not_the_help(capsys, args, missing):
+    code = main(args)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""  # not the whole help
+    assert captured.err == f"error: missing {missing}: the pipeline needs both --model and --out (see `kvzap-export --help`)\n"
 
 
 def test_unknown_subcommand(capsys):

@@ -1,45 +1,30 @@
-"""``validate`` on good and deliberately broken bundles: failures are caught and named."""
+"""``validate`` on good and deliberately broken bundles: failures are caught and named; the verdict has three
+states and a check that did not run is never a pass."""
 
 import json
-import shutil
 
 import numpy as np
 import onnx
 import pytest
 
 from kvzap_export.cli.main import main
-from kvzap_export.presets import load_preset
 from kvzap_export.validate.run import validate_bundle
-from tests.helpers import synthetic_checkpoint
-
-SMALL = "name: small\nhidden_size: 64\nnum_layers: 3\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("validate")
-    (root / "small.yaml").write_text(SMALL)
-    weights = synthetic_checkpoint(load_preset(str(root / "small.yaml")), "mlp", root / "w")
-    assert main(["--model", str(root / "small.yaml"), "--weights", str(weights), "--out", str(root / "b"), "--quiet"]) == 0
-    return root / "b"
-
-
-@pytest.fixture
-def bundle(pristine, tmp_path):
-    shutil.copytree(pristine, tmp_path / "b")
-    return tmp_path / "b"
 
 
 def _failed(report):
     return set(report["failed"])
 
 
-def test_good_bundle_passes_and_writes_report(bundle, capsys):
-    assert main(["validate", str(bundle), "--quiet"]) == 0
+def test_bundle_without_model_is_incomplete_never_passed(bundle, capsys):
+    assert main(["validate", str(bundle), "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("incomplete: ") and err.count("\n") == 1 and "model:compacted_vs_kvpress" in err
     report = json.loads((bundle / "report" / "parity.json").read_text())
-    assert report["passed"] and report["failed"] == []
+    assert report["verdict"] == "incomplete" and report["passed"] is False and report["failed"] == []
+    assert [n["check"] for n in report["not_run"]] == ["model:compacted_vs_kvpress"]
     md = (bundle / "report" / "parity.md").read_text()
-    assert md.startswith("# Parity report: PASSED") and "✓" in md
+    assert md.startswith("# Parity report: INCOMPLETE") and "PASSED" not in md
+    assert "Did not run:" in md.split("## ")[0] and "no local model" in md.split("## ")[0]
     assert "polygraphy run onnx/surrogate_layer_000.onnx --trt" in md
     assert (bundle / "report" / "polygraphy" / "layer_000_inputs.json").is_file()
     layer_checks = [c for c in report["checks"] if c["name"].startswith("operator:surrogate_layer_")]
@@ -47,10 +32,58 @@ def test_good_bundle_passes_and_writes_report(bundle, capsys):
     assert all(1 in c["detail"]["token_counts"] for c in layer_checks)  # includes a shape unlike the export's
 
 
-def test_manifest_records_validation(pristine):
-    manifest = json.loads((pristine / "manifest.json").read_text())
-    assert manifest["parity"]["passed"] is True
-    assert manifest["parity"]["surrogate_layers"] == {**manifest["parity"]["surrogate_layers"], "status": "passed", "count": 3}
+def test_decisions_run_on_synthetic_states_without_a_model(bundle):
+    report = validate_bundle(bundle, model_level=False)
+    decision = next(c for c in report["checks"] if c["name"] == "decision:keep_masks")
+    detail = decision["detail"]
+    assert decision["status"] == "passed" and detail["hidden_states"] == "synthetic" and "RMS" in detail["hidden_states_how"]
+    assert detail["sequences"] >= 2 and detail["tokens"] >= 2000
+    # 3 layers x 2 heads; only positions before the window (128) can be evicted, so only they can flip
+    assert detail["decisions"] == 3 * 2 * detail["tokens"]
+    assert detail["decisions_outside_window"] == 3 * 2 * (detail["tokens"] - detail["sequences"] * 128)
+    assert 0 < detail["pruned_fraction"] < 1 and detail["unexplained_flips"] == 0
+    assert detail["explained_flip_budget"] == int(0.01 * detail["decisions_outside_window"])
+    assert report["verdict"] == "incomplete"  # --no-model-level: that level did not run
+
+
+def test_plugin_node_in_ort_is_reported_as_a_contract_check(bundle):
+    report = validate_bundle(bundle, model_level=False)
+    plugin = next(c for c in report["checks"] if c["name"] == "operator:threshold_compaction_plugin")
+    std = next(c for c in report["checks"] if c["name"] == "operator:threshold_compaction")
+    assert plugin["detail"]["comparison"].startswith("contract") and std["detail"]["comparison"] == "exact"
+    md = (bundle / "report" / "parity.md").read_text()
+    assert "operator:threshold_compaction_plugin: onnxrt: contract check" in md
+
+
+def test_require_turns_a_level_that_did_not_run_into_a_failure(bundle, capsys):
+    assert main(["validate", str(bundle), "--quiet", "--require", "operator,decision"]) == 3
+    assert main(["validate", str(bundle), "--quiet", "--require", "model"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: validation failed: required:model")
+    report = json.loads((bundle / "report" / "parity.json").read_text())
+    assert report["verdict"] == "failed" and report["failed"] == ["required:model"]
+    assert main(["validate", str(bundle), "--require", "everything"]) == 2
+
+
+@pytest.mark.parametrize("state, code", [("passed", 0), ("failed", 1), ("incomplete", 3)])
+def test_exit_code_per_verdict(bundle, monkeypatch, capsys, state, code):
+    import kvzap_export.validate.run as run
+
+    report = {"verdict": state, "passed": state == "passed", "failed": ["x"] if state == "failed" else [],
+              "not_run": [{"check": "y", "level": "model", "reason": "r"}] if state == "incomplete" else []}
+    monkeypatch.setattr(run, "validate_bundle", lambda *a, **k: report)
+    assert main(["validate", str(bundle), "--quiet"]) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == (0 if state == "passed" else 1)
+
+
+def test_verdict_of_checks():
+    from kvzap_export.validate.checks import Check, verdict
+
+    ok, bad, absent = Check("a", "operator", "passed"), Check("b", "decision", "failed"), Check("c", "model", "skipped")
+    assert verdict([ok]) == "passed" and not absent.passed
+    assert verdict([ok, absent]) == "incomplete" and verdict([]) == "incomplete"
+    assert verdict([ok, absent, bad]) == "failed"
 
 
 def test_edited_weights_fail(bundle, capsys):
@@ -64,7 +97,7 @@ def test_edited_weights_fail(bundle, capsys):
     report = validate_bundle(bundle)
     assert "operator:surrogate_layer_001" in _failed(report)
     assert "operator:surrogate_layer_000" not in _failed(report)
-    assert main(["validate", str(bundle), "--quiet"]) == 2
+    assert main(["validate", str(bundle), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "operator:surrogate_layer_001" in err and err.count("\n") == 1
 
@@ -103,6 +136,12 @@ def test_unknown_backend_is_a_user_error(bundle, capsys):
 
 
 def test_json_output_is_the_report(bundle, capsys):
-    assert main(["validate", str(bundle), "--json"]) == 0
+    assert main(["validate", str(bundle), "--json"]) == 3
     report = json.loads(capsys.readouterr().out)
-    assert report["passed"] is True and {c["level"] for c in report["checks"]} >= {"bundle", "operator", "decision", "model"}
+    assert report["verdict"] == "incomplete" and {c["level"] for c in report["checks"]} >= {"bundle", "operator", "decision", "model"}
+
+
+def test_device_cuda_without_a_gpu_is_one_line(bundle, capsys):
+    assert main(["validate", str(bundle), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU" in err

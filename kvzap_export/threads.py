@@ -1,0 +1,39 @@
+"""How many threads torch uses for each kind of work, so that validation degrades gracefully on a shared machine.
+
+Measured on 2 shared cores (scripts/bench_main_command.py, docs/benchmarks.md): with two intra-op threads, every
+small op (a decode step is hundreds of them, each tens of microseconds) ends in an OpenMP barrier; when another
+process holds a core, one thread waits for the other (spinning first) and a 1-token step cost 3-7x the CPU time of
+the same step on one thread, prefills 3-4x. One thread has no barrier to wait at. So validation runs torch on one
+thread (``SMALL_WORK``), and only the LLM's prefill forwards, large matrix products that amortize the barriers,
+use every core the process may use (``LARGE_WORK``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+SMALL_WORK = 1
+
+
+def large_work_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count inside the block, restored after it."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if count != previous:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
