@@ -1,0 +1,38 @@
+"""``validate --engine``'s exit codes and report, with the engine level's result given (plumbing: no engine runs
+here; the real SGLang runs are tests/integrations/sglang/test_engine.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvzap_export.cli.main import main
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    from kvzap_export.presets import load_preset
+    from tests.helpers import synthetic_checkpoint
+
+    (tmp_path / "small.yaml").write_text("name: small\nhidden_size: 64\nnum_layers: 2\nnum_attention_heads: 4\n"
+                                         "num_kv_heads: 2\nhead_dim: 16\n")
+    weights = synthetic_checkpoint(load_preset(str(tmp_path / "small.yaml")), "mlp", tmp_path / "w")
+    assert main(["--model", str(tmp_path / "small.yaml"), "--weights", str(weights), "--out", str(tmp_path / "b"),
+                 "--quiet", "--no-validate"]) == 0
+    return tmp_path / "b"
+
+
+@pytest.mark.parametrize("status, code", [("passed", 0), ("failed", 1), ("skipped", 3)])
+def test_engine_level_exit_code_follows_its_status(bundle, monkeypatch, capsys, status, code):
+    result = {"status": status, "engine": "sglang", "mode": "mask", "summary": f"it {status}", "prompts": [],
+              "problems": ["tokens differ"] if status == "failed" else []}
+    if status == "skipped":
+        result["reason"] = "no kvpress reference for 2 of 2 runs"
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", lambda *a, **k: result)
+    assert main(["validate", str(bundle), "--engine", "sglang", "--model", str(bundle), "--json"]) == code
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["status"] == status
+    assert (bundle / "report" / "engine-sglang-mask.json").is_file()
+    if code:
+        assert captured.err.count("\n") == 1 and "engine-sglang-mask.md" in captured.err
