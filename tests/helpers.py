@@ -11,6 +11,19 @@ from kvzap_export.presets import Preset
 from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
 
 
+SMALL_PRESET = "name: small\nhidden_size: 64\nnum_layers: 3\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
+
+
+def preset_with_checkpoint(root: Path, text: str = SMALL_PRESET, variant: str = "mlp") -> tuple[Path, Path]:
+    """A preset file written from ``text`` into ``root`` and a synthetic checkpoint for it: (preset, weights)."""
+    from kvzap_export.presets import load_preset
+
+    name = text.split("\n", 1)[0].removeprefix("name:").strip()
+    preset = root / f"{name}.yaml"
+    preset.write_text(text)
+    return preset, synthetic_checkpoint(load_preset(str(preset)), variant, root / "w")
+
+
 def synthetic_checkpoint(preset: Preset, variant: str, directory: Path, seed: int = 0, scale: float = 1.0) -> Path:
     """Random weights in kvpress's checkpoint format (the real weights are not reachable here)."""
     torch.manual_seed(seed)

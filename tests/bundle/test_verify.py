@@ -8,19 +8,16 @@ import pytest
 from kvzap_export.bundle.verify import verify_bundle
 from kvzap_export.cli.main import main
 from kvzap_export.errors import BundleError
-from kvzap_export.presets import load_preset
-from tests.helpers import synthetic_checkpoint
+from tests.helpers import preset_with_checkpoint
 
-SMALL = "name: small\nhidden_size: 64\nnum_layers: 3\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("verify")
-    (root / "small.yaml").write_text(SMALL)
-    weights = synthetic_checkpoint(load_preset(str(root / "small.yaml")), "mlp", root / "w")
+    preset, weights = preset_with_checkpoint(root)
     # Written, validation incomplete (no model ships for this preset, so the model level cannot run): exit 3.
-    assert main(["--model", str(root / "small.yaml"), "--weights", str(weights), "--out", str(root / "b"), "--quiet"]) == 3
+    assert main(["--model", str(preset), "--weights", str(weights), "--out", str(root / "b"), "--quiet"]) == 3
     return root / "b"
 
 

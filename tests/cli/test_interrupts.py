@@ -11,8 +11,7 @@ import pytest
 
 from kvzap_export.bundle.verify import verify_bundle
 from kvzap_export.bundle.writer import lock_path_for
-from kvzap_export.presets import load_preset
-from tests.helpers import synthetic_checkpoint
+from tests.helpers import preset_with_checkpoint
 
 # Big enough that an export takes a few seconds, so a signal lands mid-export.
 MEDIUM = "name: medium\nhidden_size: 2048\nnum_layers: 24\nnum_attention_heads: 16\nnum_kv_heads: 4\nhead_dim: 128\n"
@@ -21,9 +20,7 @@ MEDIUM = "name: medium\nhidden_size: 2048\nnum_layers: 24\nnum_attention_heads: 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
     root = tmp_path_factory.mktemp("interrupt")
-    (root / "medium.yaml").write_text(MEDIUM)
-    weights = synthetic_checkpoint(load_preset(str(root / "medium.yaml")), "mlp", root / "w")
-    return root / "medium.yaml", weights
+    return preset_with_checkpoint(root, MEDIUM)
 
 
 def _start(preset, weights, out, *extra):
@@ -96,15 +93,14 @@ def test_concurrent_exports_one_wins(medium, tmp_path):
 def test_held_lock_refuses_second_writer(tmp_path, capsys):
     from kvzap_export.cli.main import main
 
-    (tmp_path / "p.yaml").write_text("name: p\nhidden_size: 64\nnum_layers: 2\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n")
-    weights = synthetic_checkpoint(load_preset(str(tmp_path / "p.yaml")), "mlp", tmp_path / "w")
+    preset, weights = preset_with_checkpoint(tmp_path, "name: p\nhidden_size: 64\nnum_layers: 2\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n")
     # Another process holds the lock, as a concurrent run does while it writes.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire(); "
                                "print('held', flush=True); sys.stdin.read()", str(lock_path_for(tmp_path / "engine"))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        code = main(["--model", str(tmp_path / "p.yaml"), "--weights", str(weights), "--out", str(tmp_path / "engine")])
+        code = main(["--model", str(preset), "--weights", str(weights), "--out", str(tmp_path / "engine")])
     finally:
         holder.communicate("")
     err = capsys.readouterr().err
@@ -129,9 +125,8 @@ def tiny_disk(tmp_path):
 def test_out_of_disk_space(tmp_path, tiny_disk, capsys):
     from kvzap_export.cli.main import main
 
-    (tmp_path / "p.yaml").write_text("name: p\nhidden_size: 256\nnum_layers: 4\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 64\n")
-    weights = synthetic_checkpoint(load_preset(str(tmp_path / "p.yaml")), "mlp", tmp_path / "w")
-    code = main(["--model", str(tmp_path / "p.yaml"), "--weights", str(weights), "--out", str(tiny_disk / "engine"), "--quiet"])
+    preset, weights = preset_with_checkpoint(tmp_path, "name: p\nhidden_size: 256\nnum_layers: 4\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 64\n")
+    code = main(["--model", str(preset), "--weights", str(weights), "--out", str(tiny_disk / "engine"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "no space left" in err and err.count("\n") == 1
     assert list(tiny_disk.iterdir()) == []

@@ -13,21 +13,9 @@ import pytest
 import torch
 
 from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
-from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
+from tests.integrations.glue_shapes import DIM, HIDDEN, KV_HEADS, LAYERS, WINDOW
 from tests.integrations.kvpress_reference import kvpress_masked
 
-LAYERS, KV_HEADS, HIDDEN, DIM = 3, 2, 16, 4
-WINDOW = 6
-
-
-@pytest.fixture(scope="module")
-def surrogate():
-    torch.manual_seed(3)
-    return Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, LAYERS, None)).eval()
-
-
-def mode(extend: bool):
-    return SimpleNamespace(is_extend=lambda: extend, is_decode=lambda: not extend)
 
 
 # ---- TensorRT-LLM ------------------------------------------------------------------------------------

@@ -5,20 +5,17 @@ import shutil
 import pytest
 
 from kvzap_export.cli.main import main
-from kvzap_export.presets import load_preset
-from tests.helpers import synthetic_checkpoint
+from tests.helpers import preset_with_checkpoint
 
-SMALL = "name: small\nhidden_size: 64\nnum_layers: 3\nnum_attention_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
 
 
 @pytest.fixture(scope="package")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("validate")
-    (root / "small.yaml").write_text(SMALL)
-    weights = synthetic_checkpoint(load_preset(str(root / "small.yaml")), "mlp", root / "w")
+    preset, weights = preset_with_checkpoint(root)
     # No model ships for this preset: the model level cannot run, so the bundle is written as incomplete (exit 3).
     # τ = 0 sits inside the random surrogate's score range, so decisions go both ways.
-    assert main(["--model", str(root / "small.yaml"), "--weights", str(weights), "--out", str(root / "b"), "--quiet",
+    assert main(["--model", str(preset), "--weights", str(weights), "--out", str(root / "b"), "--quiet",
                  "--threshold", "0"]) == 3
     return root / "b"
 

@@ -23,20 +23,8 @@ from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
 from kvzap_export.integrations.sglang.masking import decode_block_masks, masked_decode
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang, request_choice
 from kvzap_export.integrations.sglang.server_setup import ServerSetup
-from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
+from tests.integrations.glue_shapes import DIM, HIDDEN, KV_HEADS, LAYERS, WINDOW, mode
 
-LAYERS, KV_HEADS, HIDDEN, DIM = 3, 2, 16, 4
-WINDOW = 6
-
-
-@pytest.fixture(scope="module")
-def surrogate():
-    torch.manual_seed(3)
-    return Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, LAYERS, None)).eval()
-
-
-def mode(extend: bool):
-    return SimpleNamespace(is_extend=lambda: extend, is_decode=lambda: not extend)
 
 
 class FakeSGLang:
