@@ -75,6 +75,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SCHED, "Scheduler.__init__", "method", ("self", "server_args", "port_args")),
     ApiName(_SCHED, "Scheduler.process_batch_result", "method", ("self", "batch", "result")),
     ApiName(_SCHED, "Scheduler.chunked_req", "field"),
+    ApiName(_SCHED, "Scheduler.running_batch", "field"),
+    ApiName(_SB, "ScheduleBatch.batch_is_full", "field"),
     ApiName(_SCHED, "Scheduler.on_idle", "method", ("self",)),
     ApiName(_SCHED, "Scheduler.is_fully_idle", "method", ("self",)),
     ApiName(_SB, "ScheduleBatch.reqs", "field"),

@@ -114,7 +114,14 @@ def _step_end_hook(scheduler, batch, *args, **kwargs):
     rt = runtime()
     if rt.setup is None:  # a scheduler built before the plugin's hooks were applied
         rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
+    allocator = scheduler.token_to_kv_pool_allocator
+    before = allocator.available_size()
     rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
+    if allocator.available_size() > before:
+        # SGLang stops admitting prefills once one did not fit (``batch_is_full``) and clears that flag only when a
+        # request leaves the batch; KVzap's eviction frees memory without any request leaving, so clear it here.
+        scheduler.running_batch.batch_is_full = False
+        batch.batch_is_full = False
 
 
 @one_line
