@@ -136,6 +136,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.prefill_attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.memory", "Memory.enable_unified_memory", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.dcp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.tp_size", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.pp_size", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.attn_dp_size", "field"),
     ApiName("sglang.srt.arg_groups.fields.disagg", "Disagg.disaggregation_mode", "field"),

@@ -45,6 +45,7 @@ class ServerSetup:
     prefill_backend: str = ""  # the attention backends in effect (``--attention-backend`` unless overridden)
     decode_backend: str = ""
     graphs: bool = False  # CUDA (or CPU) graphs captured for some phase
+    tp_size: int = 1
 
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
@@ -63,7 +64,8 @@ class ServerSetup:
                    disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
                    kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(max(kv.size, allocator.size) + kv.page_size),
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
-                   decode_backend=str(kernel.decode_attention_backend or backend), graphs=graphs)
+                   decode_backend=str(kernel.decode_attention_backend or backend), graphs=graphs,
+                   tp_size=int(parallel.tp_size))
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
         """Each setting that is wrong for ``mode``, with the flag that fixes it.
@@ -99,6 +101,10 @@ class ServerSetup:
         if self.mixed_chunk:
             out.append("mixed chunks run decode rows through the extend path, which KVzap does not mask "
                        "(drop --enable-mixed-chunk)")
+        if mode == "ragged" and self.tp_size != 1:
+            # Each rank holds other heads, so its per-head pool frees a different amount: the ranks' schedulers,
+            # which admit by the pool's free entries, would diverge.
+            out.append(f"tensor parallelism is {self.tp_size} (use --tp-size 1 in ragged mode, or KVZAP_MODE=evict)")
         if mode in ("evict", "ragged") and self.page_size != 1:
             out.append(f"the page size is {self.page_size} (use --page-size 1: entries are freed one by one)")
         if mode in ("evict", "ragged") and (self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES):

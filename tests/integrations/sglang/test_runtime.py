@@ -149,6 +149,7 @@ ALL = ("evict", "mask", "ragged")
     ({"disaggregation": "decode"}, ALL, "--disaggregation-mode"),
     ({"mixed_chunk": True}, ALL, "--enable-mixed-chunk"),
     ({"graphs": True}, ALL, "--cuda-graph-backend-decode disabled"),
+    ({"tp_size": 2}, ("ragged",), "--tp-size 1"),
     ({"page_size": 16}, ("evict", "ragged"), "--page-size 1"),
     ({"kv_dtype": torch.float8_e4m3fn}, ("evict", "ragged"), "--kv-cache-dtype auto"),
     ({"kv_quantized": True}, ("evict", "ragged"), "--kv-cache-dtype auto"),
