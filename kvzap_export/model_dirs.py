@@ -75,8 +75,9 @@ def export_model(name: str, out: str | Path, dtype: str = "float32", force: bool
     out = Path(out).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"--out {out}: exists and is not empty; pass --force to replace it or choose another path")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: parent directory {out.parent} does not exist; create it first")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: {out.parent} is not a directory; choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)  # e.g. models/smollm2 on a fresh clone
     tmp = out.parent / f".{out.name}.tmp-model"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
