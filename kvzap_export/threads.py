@@ -5,7 +5,7 @@ small op (a decode step is hundreds of them, each tens of microseconds) ends in 
 process holds a core, one thread waits for the other (spinning first) and a 1-token step cost 3-7x the CPU time of
 the same step on one thread, prefills 3-4x. One thread has no barrier to wait at. So validation runs torch on one
 thread (``SMALL_WORK``), and only the LLM's prefill forwards, large matrix products that amortize the barriers,
-use every core the process may use (``LARGE_WORK``).
+use every core the process may use (``large_work_threads()``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ exactly kvpress's set); ragged mode registers ``kvzap_ragged`` and replaces the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -78,8 +79,6 @@ def _backends(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def one_line(hook):
     """A hook whose ``KvzapError`` stops the process with one line: SGLang would log a traceback (or report a
     failed graph capture) and signal its parent, burying what the operator has to change."""
-    import functools
-
     @functools.wraps(hook)
     def wrapped(*args, **kwargs):
         try:
@@ -138,17 +137,14 @@ def _idle_hook(result, scheduler, *args, **kwargs):
     return result
 
 
-_STATS: list = []  # [readings] of a server without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use
-
-
+@functools.cache
 def _readings_only():
-    """This process's readings without KVzap: tensor-parallel rank 0 writes, the others do not."""
-    if not _STATS:
-        from kvzap_export.integrations.sglang.stats import AllocatorReadings
+    """This process's readings without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use:
+    tensor-parallel rank 0 writes, the others do not."""
+    from kvzap_export.integrations.sglang.stats import AllocatorReadings
 
-        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
-        _STATS.append(AllocatorReadings.from_env(group.rank_in_group if group is not None else 0))
-    return _STATS[0]
+    group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
+    return AllocatorReadings.from_env(group.rank_in_group if group is not None else 0)
 
 
 def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
