@@ -45,7 +45,7 @@ def _require_transformers():
 def load_llm(model: str = "smollm2-135m", dtype: str = "float32", attn_implementation: str | None = None):
     """Returns ``(model, tokenizer)``: the embedded preset from its GGUF, or a local HF model directory.
 
-    Cached per process (dequantizing the GGUF takes ~30 s on 2 cores). Treat the model as read-only.
+    Cached per process (reading the GGUF takes 15-40 s on 2 cores). Treat the model as read-only.
     """
     _require_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,7 +68,7 @@ def load_llm(model: str = "smollm2-135m", dtype: str = "float32", attn_implement
             raise ConfigError(f"model {model}: its weights are not shipped with the toolkit; pass a local HF model directory with --model")
         path = smollm2_gguf()
         # transformers' GGUF reader has its own bar that ignores disable_progress_bar
-        with _quiet_tqdm(), _gguf_metadata_read_once():
+        with _quiet_tqdm(), _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             llm = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
         llm.config.name_or_path = preset.hf_id or model  # what kvpress derives its surrogate name from
@@ -103,19 +103,25 @@ _GGUF_CALLERS = ("configuration_utils", "tokenization_utils_tokenizers", "models
 
 
 @contextlib.contextmanager
-def _gguf_metadata_read_once() -> Iterator[None]:
-    """Tokenizer and model loading ask transformers' ``load_gguf_checkpoint`` for the file's metadata three times
-    (config, tokenizer, tokenizer config) besides the weights, and each call parses the whole GGUF file (its
-    metadata holds the 49k-token vocabulary: measured 4 parses, about half of the ~32 s of CPU a load takes).
-    Inside this block metadata-only reads of one file are parsed once and handed out as copies."""
+def _gguf_parsed_once() -> Iterator[None]:
+    """Loading the tokenizer and the model from a GGUF file repeats work; inside this block it is done once.
+
+    Measured on SmolLM2's file (2 cores, cProfile, 2026-11-24; 56 s for the whole load): transformers asks
+    ``load_gguf_checkpoint`` for the file's metadata three times (config, tokenizer, tokenizer config) besides the
+    weights, and each call builds a ``gguf.GGUFReader``, which parses the whole metadata (the 49k-token vocabulary:
+    11 s a parse); and it rebuilds gguf's tensor-name table once per module of the model (397 times, 12 s).
+    Here metadata-only reads of one file are parsed once and handed out as copies, one ``GGUFReader`` per file
+    serves every call (it maps the file read-only), and the name table is built once per architecture and depth.
+    """
     import copy
 
     try:
+        import gguf
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
         yield
         return
-    original = gguf_utils.load_gguf_checkpoint
+    original, original_reader, original_names = gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map
     parsed: dict[str, dict] = {}
 
     def load_once(gguf_checkpoint_path, return_tensors=False, model_to_load=None):
@@ -126,7 +132,12 @@ def _gguf_metadata_read_once() -> Iterator[None]:
             parsed[key] = original(gguf_checkpoint_path, return_tensors=False)
         return copy.deepcopy(parsed[key])
 
-    # transformers binds the function by name in the modules that call it: replace it there too.
+    @functools.cache
+    def reader_once(path, mode="r"):
+        return original_reader(path, mode)
+
+    # transformers binds load_gguf_checkpoint by name in the modules that call it: replace it there too. GGUFReader
+    # and get_tensor_name_map it imports from gguf inside its functions, so gguf's attributes are what it finds.
     holders = [gguf_utils]
     for name in _GGUF_CALLERS:
         with contextlib.suppress(ImportError):
@@ -134,11 +145,21 @@ def _gguf_metadata_read_once() -> Iterator[None]:
     holders = [m for m in holders if getattr(m, "load_gguf_checkpoint", None) is original]
     for module in holders:
         module.load_gguf_checkpoint = load_once
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_once, functools.cache(original_names)
     try:
         yield
     finally:
         for module in holders:
             module.load_gguf_checkpoint = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_names
+
+
+def equal_length_batches(lengths: list[int]) -> list[list[int]]:
+    """Indices of sequences grouped by length (first appearance order): each group runs as one batch without padding."""
+    groups: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        groups.setdefault(int(length), []).append(index)
+    return list(groups.values())
 
 
 def decoder_layers(llm) -> list:

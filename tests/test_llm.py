@@ -38,23 +38,40 @@ def test_smollm2_loads_and_matches_its_preset():
 
 
 @pytest.mark.slow
-def test_gguf_metadata_is_parsed_once_per_load(monkeypatch):
-    """transformers parses the GGUF file for config, tokenizer and tokenizer config separately; we hand out one parse."""
-    from gguf import gguf_reader
+def test_gguf_file_is_parsed_once_per_load(monkeypatch):
+    """transformers parses the GGUF file for config, tokenizer, tokenizer config and weights separately and builds
+    gguf's tensor-name table once per module; we hand out one parse and one table."""
+    import gguf
+    from gguf import gguf_reader, tensor_mapping
 
     from kvzap_export import llm as llm_module
 
-    parses = []
-    original = gguf_reader.GGUFReader.__init__
+    parses, tables = [], []
+    original, original_table = gguf_reader.GGUFReader.__init__, tensor_mapping.TensorNameMap.__init__
 
     def counting(self, *args, **kwargs):
         parses.append(args[0] if args else kwargs.get("path"))
         return original(self, *args, **kwargs)
 
+    def counting_table(self, *args, **kwargs):
+        tables.append(args)
+        return original_table(self, *args, **kwargs)
+
     monkeypatch.setattr(gguf_reader.GGUFReader, "__init__", counting)
+    monkeypatch.setattr(tensor_mapping.TensorNameMap, "__init__", counting_table)
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
     model, tokenizer = llm_module.load_llm.__wrapped__("smollm2-135m")  # bypass the per-process cache
-    assert len(parses) == 2  # metadata once, weights once (4 without the shared metadata parse)
+    assert len(parses) == 1  # 4 without the shared reader and metadata
+    assert len(tables) == 1  # one per module of the model (397) without the cache
     assert tokenizer("KV cache", return_tensors="pt").input_ids.shape[1] >= 2 and model.config.num_hidden_layers == 30
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     assert gguf_utils.load_gguf_checkpoint.__name__ == "load_gguf_checkpoint"  # restored after the load
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, names)
+
+
+def test_equal_length_batches_groups_by_length_in_order():
+    from kvzap_export.llm import equal_length_batches
+
+    assert equal_length_batches([400, 400, 212, 400, 212, 7]) == [[0, 1, 3], [2, 4], [5]]
+    assert equal_length_batches([]) == []
