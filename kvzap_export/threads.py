@@ -37,3 +37,29 @@ def torch_threads(count: int) -> Iterator[None]:
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def prefill_threads(llm) -> Iterator[None]:
+    """Inside the block, each forward of ``llm`` that reads more than one new token per sequence (a prefill) runs on
+    ``large_work_threads()``, every other forward (a decode step) on ``SMALL_WORK``; restored after the block.
+
+    For generation loops we do not own (``llm.generate`` under kvpress's press): the thread count follows the work.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+
+    def choose(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count = large_work_threads() if ids is not None and ids.shape[-1] > 1 else SMALL_WORK
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
+    handle = llm.register_forward_pre_hook(choose, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)

@@ -48,11 +48,11 @@ def bench_e2e(new_tokens: int = 32, prompt_tokens: int = 400, model: str = "smol
                     seconds, outputs[name] = _timed(lambda: run(new_tokens))
                     timings[name]["all"].append(seconds)
     theirs, ours = outputs["kvpress_masking"], outputs["ours_ragged"]
-    full_bytes = ours.full_bytes  # measured from the dense prompt cache's tensors, as kvpress holds it
+    full_bytes = ours.full_bytes[0]  # measured from the dense prompt cache's tensors, as kvpress holds it
     common = {"benchmark": "e2e", "model": model, "threshold": manifest["pruning"]["threshold"], "prompt_tokens": int(ids.shape[1]),
               "new_tokens": new_tokens, "identical_tokens": bool(torch.equal(ours.tokens, theirs.tokens))}
     rows = []
-    for name, held in (("kvpress_masking", full_bytes), ("ours_ragged", ours.held_bytes)):
+    for name, held in (("kvpress_masking", full_bytes), ("ours_ragged", ours.held_bytes[0])):
         first, total = min(timings[name]["one"]), min(timings[name]["all"])
         rows.append({**common, "method": name, "prefill_s": first, "s_per_token": (total - first) / (new_tokens - 1),
                      "kv_bytes_after_prompt": int(held), "kv_fraction_of_kvpress": held / full_bytes})

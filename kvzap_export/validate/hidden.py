@@ -49,17 +49,18 @@ def resolve_model(manifest: dict, model: str | None) -> str | None:
 
 @functools.lru_cache(maxsize=2)
 def _capture(model: str, texts: int, tokens: int) -> tuple[dict[int, torch.Tensor], ...]:
-    from kvzap_export.llm import capture_hidden_states, load_llm
+    from kvzap_export.llm import capture_hidden_states, equal_length_batches, load_llm
     from kvzap_export.texts import held_out_texts
     from kvzap_export.threads import large_work_threads, torch_threads
 
     llm, tokenizer = load_llm(model, dtype="float32")
-    out = []
-    for text in held_out_texts(texts):
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+    prompts = [tokenizer(text, return_tensors="pt").input_ids[:, :tokens] for text in held_out_texts(texts)]
+    out: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
+    for batch in equal_length_batches([ids.shape[1] for ids in prompts]):  # texts of equal length: one forward
         with capture_hidden_states(llm) as captured, torch.no_grad(), torch_threads(large_work_threads()):
-            llm(input_ids=ids)
-        out.append({layer: states[0].detach().clone() for layer, states in captured.items()})
+            llm(input_ids=torch.cat([prompts[i] for i in batch]), logits_to_keep=1)  # the states, not the logits
+        for row, index in enumerate(batch):
+            out[index] = {layer: states[row].detach().clone() for layer, states in captured.items()}
     return tuple(out)
 
 

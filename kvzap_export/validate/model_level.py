@@ -6,7 +6,8 @@ the ONNX ``threshold_compaction`` graph decides, and the ONNX ``kv_compaction`` 
 kept K/V to the front; the cache then holds exactly each head's kept entries (``RaggedHeadsLayer``:
 ragged layout, bytes measured from its tensors), and an attention function masks the padding of the
 per-call dense view. Generated tokens are appended to every head; RoPE positions stay the original
-(logical) ones. Mode: prefill compaction (kvpress ``decoding=False``);
+(logical) ones. Prompts of equal length run as one batch (no padding), in our run and in kvpress's alike: a
+decode step streams the weights once for the batch. Mode: prefill compaction (kvpress ``decoding=False``);
 decode-phase decisions are checked at decision level (tests/test_kvpress_decision_parity.py).
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 ATTN_NAME = "kvzap_compacted"
-_LAYERS: dict[int, object] = {}  # layer -> its RaggedHeadsLayer (``valid``: bool (kv_heads, width) of real slots)
+_LAYERS: dict[int, object] = {}  # layer -> its RaggedHeadsLayer (``valid``: bool (batch, kv_heads, width) of real slots)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
@@ -35,8 +36,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs)
     layer = _LAYERS.get(module.layer_idx)
     if layer is None or query.shape[-2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
-    groups = query.shape[1] // layer.valid.shape[0]
-    mask = layer.valid.repeat_interleave(groups, dim=0)[None, :, None, :]  # query heads of each KV group
+    groups = query.shape[1] // layer.valid.shape[1]
+    mask = layer.valid.repeat_interleave(groups, dim=1)[:, :, None, :]  # query heads of each KV group
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=kwargs.get("scaling"),
                                                            enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
@@ -74,22 +75,27 @@ def _sessions(bundle: Path, manifest: dict) -> tuple[dict[int, object], object, 
 
 
 def _compact_cache(cache, hidden: dict[int, torch.Tensor], runners, manifest: dict) -> tuple[list[np.ndarray], int]:
-    """Scores, decides and moves K/V of every layer with the ONNX artifacts; returns per-layer counts."""
+    """Scores, decides and moves K/V of every layer with the ONNX artifacts; returns per-layer counts (B, H_kv).
+
+    Every sequence of the batch has the prompt's length (no padding): the surrogate graph scores all their tokens
+    in one call, the compaction graphs take the batch as it is.
+    """
     from kvzap_export.validate.ragged_cache import RaggedHeadsLayer
 
     layers, compaction, kv = runners
     pruning = manifest["pruning"]
     counts_all, prompt_len = [], 0
     for layer_idx, runner in sorted(layers.items()):
-        states = hidden[layer_idx][0].float().numpy()  # (T, hidden)
-        prompt_len = states.shape[0]
-        scores = runner.infer({"hidden_states": states})["scores"]  # (T, H_kv)
-        out = compaction.infer({"scores": np.ascontiguousarray(scores.T[None]), "lengths": np.array([prompt_len], np.int32),
+        states = hidden[layer_idx].float()  # (B, T, hidden)
+        batch, prompt_len = states.shape[:2]
+        scores = runner.infer({"hidden_states": states.reshape(batch * prompt_len, -1).numpy()})["scores"]  # (B*T, H_kv)
+        scores = scores.reshape(batch, prompt_len, -1).transpose(0, 2, 1)
+        out = compaction.infer({"scores": np.ascontiguousarray(scores), "lengths": np.full(batch, prompt_len, np.int32),
                                 "threshold": np.array(pruning["threshold"], np.float32),
                                 "window": np.array(pruning["window"], np.int32)})
         layer = cache.layers[layer_idx]
         moved = kv.infer({"keys": layer.keys.float().numpy(), "values": layer.values.float().numpy(), "indices": out["indices"]})
-        counts = out["counts"][0]
+        counts = out["counts"]
         dtype = layer.keys.dtype
         ragged = RaggedHeadsLayer.from_compacted(torch.from_numpy(moved["keys_out"]).to(dtype),
                                                  torch.from_numpy(moved["values_out"]).to(dtype), counts)
@@ -99,12 +105,12 @@ def _compact_cache(cache, hidden: dict[int, torch.Tensor], runners, manifest: di
 
 
 class Generation(NamedTuple):
-    tokens: torch.Tensor  # (1, new_tokens)
-    logits: torch.Tensor  # (1, new_tokens, vocab)
-    counts: list[np.ndarray]  # per layer: kept entries per KV head after the prompt
+    tokens: torch.Tensor  # (B, new_tokens)
+    logits: torch.Tensor  # (B, new_tokens, vocab)
+    counts: list[np.ndarray]  # per layer: kept entries per sequence and KV head after the prompt, (B, H_kv)
     prompt_len: int
-    held_bytes: int  # K/V bytes the compacted cache holds after the prompt, measured from its tensors
-    full_bytes: int  # K/V bytes of the dense prompt cache the model built, measured from its tensors before compaction
+    held_bytes: list[int]  # per sequence: K/V bytes the compacted cache holds after the prompt, measured from its tensors
+    full_bytes: list[int]  # per sequence: K/V bytes of the dense prompt cache, measured from its tensors before compaction
 
 
 @contextlib.contextmanager
@@ -121,41 +127,48 @@ def artifact_sessions(bundle: Path, manifest: dict) -> Iterator[tuple]:
             runner.deactivate()
 
 
-def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, runners=None) -> Generation:
-    """Greedy generation with the physically compacted cache (``runners`` from ``artifact_sessions``, or opened here)."""
+def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, runners=None,
+                       on_token=None) -> Generation:
+    """Greedy generation with the physically compacted cache for a batch of equal-length prompts ``ids`` (B, T)
+    (``runners`` from ``artifact_sessions``, or opened here; ``on_token()`` after each forward)."""
     if runners is None:
         with artifact_sessions(bundle, manifest) as opened:
-            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened)
+            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened, on_token)
     from transformers import DynamicCache
 
     from kvzap_export.llm import capture_hidden_states
-    from kvzap_export.threads import large_work_threads, torch_threads
+    from kvzap_export.threads import prefill_threads
 
+    step = on_token or (lambda: None)
     cache = DynamicCache()
-    with torch.no_grad(), capture_hidden_states(llm) as hidden, torch_threads(large_work_threads()):  # the prefill
-        out = llm(input_ids=ids, past_key_values=cache, use_cache=True)
+    with torch.no_grad(), capture_hidden_states(llm) as hidden, prefill_threads(llm):  # the prefill
+        out = llm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prompt_hidden = {k: v.clone() for k, v in hidden.items()}
+    step()
     logits = [out.logits[:, -1]]
-    full = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    with compacted_attention(llm), torch.no_grad():
+    full = [sum(t[b].numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+            for b in range(ids.shape[0])]
+    with compacted_attention(llm), torch.no_grad(), prefill_threads(llm):
         counts, prompt_len = _compact_cache(cache, prompt_hidden, runners, manifest)
-        held = sum(layer.held_bytes() for layer in cache.layers)
+        held = [sum(layer.held_bytes(b) for layer in cache.layers) for b in range(ids.shape[0])]
         token = logits[-1].argmax(-1, keepdim=True)
         tokens = [token]
-        for step in range(new_tokens - 1):
-            position = torch.tensor([[prompt_len + step]])
+        for number in range(new_tokens - 1):
+            position = torch.full((ids.shape[0], 1), prompt_len + number)
             out = llm(input_ids=token, past_key_values=cache, position_ids=position, cache_position=position[0], use_cache=True)
+            step()
             logits.append(out.logits[:, -1])
             token = logits[-1].argmax(-1, keepdim=True)
             tokens.append(token)
     return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held, full)
 
 
-def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False):
-    """kvpress's masked run on the same prompt: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun)."""
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
+                     on_token=None):
+    """kvpress's masked run on the same prompts: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun)."""
     from kvzap_export.validate.reference import generate_kvpress as run
 
-    return run(llm, ids, bundle, manifest, new_tokens, decoding)
+    return run(llm, ids, bundle, manifest, new_tokens, decoding, on_token)
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
@@ -168,7 +181,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
                     prompt_tokens: int = 400, logits_atol: float = 1e-3, progress=None) -> dict:
     """Compares greedy continuations and logits with kvpress, and the K/V bytes the compacted cache held
     (measured from its tensors) with the dense cache's (measured) minus the entries kvpress masked."""
-    from kvzap_export.llm import load_llm
+    from kvzap_export.llm import equal_length_batches, load_llm
     from kvzap_export.ops import memory_report
     from kvzap_export.validate import reference as ref
 
@@ -176,38 +189,46 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
                                                f"this bundle is {manifest['dtype']}"}
     llm, tokenizer = load_llm(model, dtype="float32")
-    steps_per_prompt = 3  # our compacted run, kvpress prefill-only, kvpress decoding=True (stored as the reference)
-    advance = progress(f"model level: {prompts} prompts × (compacted run, kvpress ×2), {new_tokens} tokens each",
-                       steps_per_prompt * prompts) if progress else (lambda: None)
-    per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
-    held_total = full_total = masked_total = 0
+    prompt_ids = held_out_prompts(tokenizer, prompts, prompt_tokens)
+    batches = equal_length_batches([ids.shape[1] for ids in prompt_ids])
+    # Three greedy runs of each batch (ours, kvpress prefill-only, kvpress decoding=True, stored as the reference),
+    # each a forward per new token: the bar advances per forward, so a slow machine still shows it moving.
+    advance = progress(f"model level: {prompts} prompts × (compacted run, kvpress ×2), {new_tokens} tokens each, "
+                       f"{len(batches)} batch{'es' if len(batches) > 1 else ''}", 3 * new_tokens * len(batches)) \
+        if progress else None
+    runs: dict[int, tuple] = {}
     # The bundle carries kvpress's greedy tokens (prefill-only and decoding=True) for engines to compare with.
     reference = ref.new_reference(manifest, model, "float32", new_tokens)
     with artifact_sessions(bundle, manifest) as runners:
-        for number, ids in enumerate(held_out_prompts(tokenizer, prompts, prompt_tokens)):
-            ours = generate_compacted(llm, ids, bundle, manifest, new_tokens, runners)
-            advance()
-            theirs = generate_kvpress(llm, ids, bundle, manifest, new_tokens)
-            advance()
-            decoding = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True)
-            advance()
-            ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
-                           {False: theirs.tokens, True: decoding.tokens})
-            same = bool(torch.equal(ours.tokens, theirs.tokens))
-            # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
-            steps = new_tokens if same else int((ours.tokens != theirs.tokens).int().argmax()) + 1
-            diff = float((ours.logits[:, :steps] - theirs.logits[:, :steps]).abs().max())
-            worst_logits = max(worst_logits, diff)
-            counts = np.stack(ours.counts)
-            entries = counts.size * ours.prompt_len
-            per_prompt.append({"prompt_tokens": ours.prompt_len, "identical_tokens": same, "max_logits_diff": diff,
-                               "pruned_fraction": 1.0 - int(counts.sum()) / entries, "kvpress_masked_fraction": theirs.masked / entries,
-                               "held_bytes": ours.held_bytes, "full_bytes": ours.full_bytes})
-            all_counts.append(counts)
-            lengths.append(ours.prompt_len)
-            held_total += ours.held_bytes
-            full_total += ours.full_bytes
-            masked_total += theirs.masked
+        for batch in batches:
+            ids = torch.cat([prompt_ids[i] for i in batch])
+            ours = generate_compacted(llm, ids, bundle, manifest, new_tokens, runners, on_token=advance)
+            theirs = generate_kvpress(llm, ids, bundle, manifest, new_tokens, on_token=advance)
+            decoding = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True, on_token=advance)
+            for row, index in enumerate(batch):
+                runs[index] = (ours, theirs, decoding, row)
+    per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
+    held_total = full_total = masked_total = 0
+    for number, ids in enumerate(prompt_ids):
+        ours, theirs, decoding, row = runs[number]
+        ref.add_prompt(reference, f"held-out text {number + 1} of {prompts} (first {prompt_tokens} tokens)", ids,
+                       {False: theirs.tokens[row:row + 1], True: decoding.tokens[row:row + 1]})
+        mine, their_tokens = ours.tokens[row], theirs.tokens[row]
+        same = bool(torch.equal(mine, their_tokens))
+        # Compare logits while both runs saw the same tokens (all steps if the continuations agree).
+        steps = new_tokens if same else int((mine != their_tokens).int().argmax()) + 1
+        diff = float((ours.logits[row, :steps] - theirs.logits[row, :steps]).abs().max())
+        worst_logits = max(worst_logits, diff)
+        counts = np.stack([layer[row] for layer in ours.counts])
+        entries = counts.size * ours.prompt_len
+        per_prompt.append({"prompt_tokens": ours.prompt_len, "identical_tokens": same, "max_logits_diff": diff,
+                           "pruned_fraction": 1.0 - int(counts.sum()) / entries, "kvpress_masked_fraction": theirs.masked[row] / entries,
+                           "held_bytes": ours.held_bytes[row], "full_bytes": ours.full_bytes[row]})
+        all_counts.append(counts)
+        lengths.append(ours.prompt_len)
+        held_total += ours.held_bytes[row]
+        full_total += ours.full_bytes[row]
+        masked_total += theirs.masked[row]
     # Bytes each engine layout would hold, computed from the compaction's counts (float32, as this run).
     per_entry = 2 * manifest["model"]["head_dim"] * 4
     reports = [memory_report(torch.from_numpy(c)[:, None, :], torch.tensor([n])) for c, n in zip(all_counts, lengths)]

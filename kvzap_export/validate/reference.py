@@ -38,24 +38,35 @@ def kvpress_press(bundle: Path, manifest: dict, llm, decoding: bool):
 
 
 class KvpressRun(NamedTuple):
-    tokens: torch.Tensor  # (1, new_tokens)
-    logits: torch.Tensor  # (1, new_tokens, vocab)
-    masked: int  # K/V entries (layer × head × position) kvpress masked by the end of the run
+    tokens: torch.Tensor  # (B, new_tokens)
+    logits: torch.Tensor  # (B, new_tokens, vocab)
+    masked: list[int]  # per sequence: K/V entries (layer × head × position) kvpress masked by the end of the run
 
 
-def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False) -> KvpressRun:
-    """kvpress's masked greedy run on one prompt: tokens (1, new_tokens), logits (1, new_tokens, vocab), and how many
-    entries it masked (read from each attention module's ``masked_key_indices`` before they are cleared)."""
+def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
+                     on_token=None) -> KvpressRun:
+    """kvpress's masked greedy run on a batch of equal-length prompts ``ids`` (B, T): tokens (B, new_tokens), logits
+    (B, new_tokens, vocab), and how many entries it masked in each sequence (read from each attention module's
+    ``masked_key_indices``, whose first row is the sequence, before they are cleared). ``on_token()`` after each
+    forward. Prefill forwards use every core, decode steps one (``kvzap_export.threads``)."""
+    from kvzap_export.threads import prefill_threads
+
     press = kvpress_press(bundle, manifest, llm, decoding)
-    with press(llm), torch.no_grad():
-        out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, return_dict_in_generate=True, output_logits=True)
-    masked = 0
+    counting = llm.register_forward_hook(lambda *_: on_token()) if on_token else None
+    try:
+        with press(llm), torch.no_grad(), prefill_threads(llm):
+            out = llm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, return_dict_in_generate=True, output_logits=True)
+    finally:
+        if counting is not None:
+            counting.remove()
+    masked = torch.zeros(ids.shape[0], dtype=torch.long)
     for layer in llm.model.layers:
         indices = getattr(layer.self_attn, "masked_key_indices", None)
-        masked += 0 if indices is None else int(indices[0].numel())
+        if indices is not None:
+            masked += torch.bincount(indices[0], minlength=ids.shape[0])
         layer.self_attn.masked_key_indices = None
-    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked)
+    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked.tolist())
 
 
 def _tools() -> dict:
