@@ -6,22 +6,41 @@ process holds a core, one thread waits for the other (spinning first) and a 1-to
 the same step on one thread, prefills 3-4x. One thread has no barrier to wait at. So validation runs torch on one
 thread (``SMALL_WORK``), and only the LLM's prefill forwards, large matrix products that amortize the barriers,
 use every core the process may use (``large_work_threads()``).
+
+Independent runs of the LLM (the model level's three greedy runs) go side by side instead (``side_by_side``): each in
+its own Python thread with torch on one intra-op thread, so no OpenMP barrier is shared and every core has work. A
+decode step is memory-bound (it streams the weights once): two of them at once stream faster than one alone does
+(measured: 2.7 GB/s each vs 3.4 alone on the 2-core machine of docs/benchmarks.md), and prefills fill both cores.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 SMALL_WORK = 1
+T = TypeVar("T")
+_worker = threading.local()  # ``cores``: in a ``side_by_side`` job, the cores that job may use
 
 
-def large_work_threads() -> int:
+class Stopped(Exception):
+    """Raised inside a side-by-side job (``stop_point``) once another job failed or the caller was interrupted."""
+
+
+def usable_cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+def large_work_threads() -> int:
+    """Every core the process may use; inside a ``side_by_side`` job, that job's share of them."""
+    return getattr(_worker, "cores", None) or usable_cores()
 
 
 @contextlib.contextmanager
@@ -63,3 +82,62 @@ def prefill_threads(llm) -> Iterator[None]:
         handle.remove()
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
+
+
+def side_by_side(jobs: Sequence[Callable[[threading.Event], T]], together: bool = True) -> list[T]:
+    """Runs ``jobs`` at once, each in its own thread, and returns their results in order.
+
+    Each job's share of the cores (``large_work_threads()`` in it) is ``usable_cores() // len(jobs)``, at least one:
+    on 2 cores, three jobs each run torch on one thread and the OS shares the cores among them, with no OpenMP barrier
+    between jobs. Its torch starts at ``SMALL_WORK`` threads (``prefill_threads`` raises it for prefills).
+
+    Each job gets a ``threading.Event`` that is set once another job failed or the caller was interrupted
+    (KeyboardInterrupt): a job calls ``stop_point(event)`` where it can stop (``stop_hooks`` puts one before every
+    decoder layer of a model). The first error is raised after every job has ended; nothing keeps running behind it.
+    On a single core, or with ``together=False``, the jobs run one after the other, in the caller's thread.
+    """
+    stop = threading.Event()
+    if not together or usable_cores() == 1 or len(jobs) == 1:
+        return [job(stop) for job in jobs]
+    share = max(1, usable_cores() // len(jobs))
+
+    def one_thread(job):
+        import torch
+
+        _worker.cores = share
+        torch.set_num_threads(SMALL_WORK)  # this thread's OpenMP/MKL setting; the caller's is untouched
+        try:
+            return job(stop)
+        except BaseException:
+            stop.set()  # the other jobs stop at their next stop point
+            raise
+
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="kvzap-side-by-side") as pool:
+        futures = [pool.submit(one_thread, job) for job in jobs]
+        try:
+            wait(futures)
+        except BaseException:  # KeyboardInterrupt here: stop the jobs, let them end, then raise it
+            stop.set()
+            wait(futures)
+            raise
+    errors = [future.exception() for future in futures if future.exception() is not None]
+    if errors:  # the error that stopped the others, not the ``Stopped`` it caused in them
+        raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+    return [future.result() for future in futures]
+
+
+def stop_point(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise Stopped("stopped: another run failed or the command was interrupted")
+
+
+@contextlib.contextmanager
+def stop_hooks(modules, stop: threading.Event | None) -> Iterator[None]:
+    """A ``stop_point`` before each forward of ``modules`` (e.g. the decoder layers: a prefill stops within a layer);
+    nothing when ``stop`` is None."""
+    handles = [] if stop is None else [module.register_forward_pre_hook(lambda *_: stop_point(stop)) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

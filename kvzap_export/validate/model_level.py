@@ -14,6 +14,7 @@ decode-phase decisions are checked at decision level (tests/test_kvpress_decisio
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -128,19 +129,28 @@ def artifact_sessions(bundle: Path, manifest: dict) -> Iterator[tuple]:
 
 
 def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, runners=None,
-                       on_token=None) -> Generation:
+                       on_token=None, stop=None) -> Generation:
     """Greedy generation with the physically compacted cache for a batch of equal-length prompts ``ids`` (B, T)
-    (``runners`` from ``artifact_sessions``, or opened here; ``on_token()`` after each forward)."""
+    (``runners`` from ``artifact_sessions``, or opened here; ``on_token()`` after each forward; ``stop``: a
+    ``side_by_side`` job's event, checked before every decoder layer)."""
     if runners is None:
         with artifact_sessions(bundle, manifest) as opened:
-            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened, on_token)
+            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened, on_token, stop)
     from transformers import DynamicCache
 
-    from kvzap_export.llm import capture_hidden_states
-    from kvzap_export.threads import prefill_threads
+    from kvzap_export.llm import decoder_layers
+    from kvzap_export.threads import stop_hooks
 
     step = on_token or (lambda: None)
     cache = DynamicCache()
+    with stop_hooks(decoder_layers(llm), stop):
+        return _generate_compacted(llm, ids, cache, runners, manifest, new_tokens, step)
+
+
+def _generate_compacted(llm, ids, cache, runners, manifest, new_tokens, step) -> Generation:
+    from kvzap_export.llm import capture_hidden_states
+    from kvzap_export.threads import prefill_threads
+
     with torch.no_grad(), capture_hidden_states(llm) as hidden, prefill_threads(llm):  # the prefill
         out = llm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prompt_hidden = {k: v.clone() for k, v in hidden.items()}
@@ -164,11 +174,27 @@ def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
-                     on_token=None):
-    """kvpress's masked run on the same prompts: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun)."""
+                     on_token=None, stop=None, press=None):
+    """kvpress's masked run on the same prompts: DMSPress(KVzapPress) with the bundle's surrogate copy (a KvpressRun;
+    ``press``: see ``reference.generate_kvpress``)."""
+    from kvzap_export.llm import decoder_layers
+    from kvzap_export.threads import stop_hooks
     from kvzap_export.validate.reference import generate_kvpress as run
 
-    return run(llm, ids, bundle, manifest, new_tokens, decoding, on_token)
+    with stop_hooks(decoder_layers(llm), stop):
+        return run(llm, ids, bundle, manifest, new_tokens, decoding, on_token, press)
+
+
+def room_for_copies(llm, count: int) -> bool:
+    """True when ``count`` copies of ``llm``'s weights take at most half the memory available now (Linux's
+    MemAvailable): the embedded 135M model (0.5 GB in float32) yes, an 8B model on a 64 GB machine no."""
+    size = sum(t.numel() * t.element_size() for t in (*llm.parameters(), *llm.buffers()))
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False  # unknown: one model, runs one after the other
+    return count * size <= kib * 1024 // 2
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
@@ -183,6 +209,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     (measured from its tensors) with the dense cache's (measured) minus the entries kvpress masked."""
     from kvzap_export.llm import equal_length_batches, load_llm
     from kvzap_export.ops import memory_report
+    from kvzap_export.threads import side_by_side, usable_cores
     from kvzap_export.validate import reference as ref
 
     if manifest["dtype"] != "float32":
@@ -197,16 +224,24 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
                        f"{len(batches)} batch{'es' if len(batches) > 1 else ''}", 3 * new_tokens * len(batches)) \
         if progress else None
     runs: dict[int, tuple] = {}
-    # The bundle carries kvpress's greedy tokens (prefill-only and decoding=True) for engines to compare with.
-    reference = ref.new_reference(manifest, model, "float32", new_tokens)
+    reference = ref.new_reference(manifest, model, "float32", new_tokens)  # kvpress's tokens, for engines to compare with
+    # The three runs of a batch go side by side (kvzap_export.threads.side_by_side), each on its own copy of the model
+    # (kvpress's press hooks and our attention implementation are per model object); one after the other on one model
+    # where two more copies would not fit comfortably in memory, or on one core.
+    together = usable_cores() > 1 and room_for_copies(llm, 2)
+    models = [llm, copy.deepcopy(llm), copy.deepcopy(llm)] if together else [llm] * 3
     with artifact_sessions(bundle, manifest) as runners:
         for batch in batches:
             ids = torch.cat([prompt_ids[i] for i in batch])
-            ours = generate_compacted(llm, ids, bundle, manifest, new_tokens, runners, on_token=advance)
-            theirs = generate_kvpress(llm, ids, bundle, manifest, new_tokens, on_token=advance)
-            decoding = generate_kvpress(llm, ids, bundle, manifest, new_tokens, decoding=True, on_token=advance)
+            # kvpress's presses are made here, in this thread: loading their surrogate is not thread-safe.
+            presses = [ref.kvpress_press(bundle, manifest, models[1 + d], decoding=d) for d in (False, True)]
+            jobs = [lambda stop: generate_compacted(models[0], ids, bundle, manifest, new_tokens, runners, advance, stop),
+                    lambda stop: generate_kvpress(models[1], ids, bundle, manifest, new_tokens, False, advance, stop, presses[0]),
+                    lambda stop: generate_kvpress(models[2], ids, bundle, manifest, new_tokens, True, advance, stop, presses[1])]
+            ours, theirs, decoding = side_by_side(jobs, together)
             for row, index in enumerate(batch):
                 runs[index] = (ours, theirs, decoding, row)
+    del models  # the copies (2 × the model's size) are freed here
     per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
     held_total = full_total = masked_total = 0
     for number, ids in enumerate(prompt_ids):

@@ -44,14 +44,17 @@ class KvpressRun(NamedTuple):
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
-                     on_token=None) -> KvpressRun:
+                     on_token=None, press=None) -> KvpressRun:
     """kvpress's masked greedy run on a batch of equal-length prompts ``ids`` (B, T): tokens (B, new_tokens), logits
     (B, new_tokens, vocab), and how many entries it masked in each sequence (read from each attention module's
     ``masked_key_indices``, whose first row is the sequence, before they are cleared). ``on_token()`` after each
-    forward. Prefill forwards use every core, decode steps one (``kvzap_export.threads``)."""
+    forward. Prefill forwards use every core, decode steps one (``kvzap_export.threads``). ``press``: one made by
+    ``kvpress_press`` for this ``decoding`` (made here when None); a run beside others gets one made beforehand in
+    the caller's thread, because transformers' ``from_pretrained`` (which loads kvpress's surrogate) swaps
+    process-wide state (torch's init functions, the default dtype) and is not safe to run in two threads at once."""
     from kvzap_export.threads import prefill_threads
 
-    press = kvpress_press(bundle, manifest, llm, decoding)
+    press = press or kvpress_press(bundle, manifest, llm, decoding)
     counting = llm.register_forward_hook(lambda *_: on_token()) if on_token else None
     try:
         with press(llm), torch.no_grad(), prefill_threads(llm):

@@ -49,3 +49,36 @@ def test_kvpress_run_of_a_batch_equals_each_prompt_alone(setup):
         assert torch.equal(both.tokens[row], alone.tokens[0])
         assert both.masked[row] == alone.masked[0] > 0  # masked entries counted per sequence
         torch.testing.assert_close(both.logits[row], alone.logits[0], rtol=0, atol=1e-4)
+
+
+def test_runs_side_by_side_on_copies_of_the_model_equal_the_runs_one_after_the_other(setup, monkeypatch):
+    import copy
+
+    from kvzap_export import threads
+    from kvzap_export.validate.model_level import generate_compacted, generate_kvpress
+    from kvzap_export.validate.reference import kvpress_press
+
+    llm, bundle, manifest, prompts = setup
+    ids = torch.cat(prompts)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)  # threads even on a 1-CPU runner
+    from transformers import PreTrainedModel
+
+    process_wide = lambda: (dict(vars(torch.nn.init)), torch.get_default_dtype(), PreTrainedModel.init_weights)  # noqa: E731
+    before = process_wide()
+    models = [llm, copy.deepcopy(llm), copy.deepcopy(llm)]
+    presses = [kvpress_press(bundle, manifest, models[1 + d], d) for d in (False, True)]  # made in this thread
+    ours, theirs, decoding = threads.side_by_side([
+        lambda stop: generate_compacted(models[0], ids, bundle, manifest, NEW_TOKENS, stop=stop),
+        lambda stop: generate_kvpress(models[1], ids, bundle, manifest, NEW_TOKENS, False, stop=stop, press=presses[0]),
+        lambda stop: generate_kvpress(models[2], ids, bundle, manifest, NEW_TOKENS, True, stop=stop, press=presses[1])])
+    assert llm.config._attn_implementation == "sdpa"  # ours restored its model; the copies were never shared
+    assert process_wide() == before  # what transformers' from_pretrained swaps was not left swapped by a race
+    alone = [generate_compacted(llm, ids, bundle, manifest, NEW_TOKENS),
+             generate_kvpress(llm, ids, bundle, manifest, NEW_TOKENS, False),
+             generate_kvpress(llm, ids, bundle, manifest, NEW_TOKENS, True)]
+    for side, one in zip((ours, theirs, decoding), alone):
+        assert torch.equal(side.tokens, one.tokens)
+        torch.testing.assert_close(side.logits, one.logits, rtol=0, atol=1e-4)
+    assert all((a == b).all() for a, b in zip(ours.counts, alone[0].counts))
+    assert (ours.held_bytes, theirs.masked, decoding.masked) == (alone[0].held_bytes, alone[1].masked, alone[2].masked)
+    assert decoding.masked != theirs.masked  # decoding=True masks more as the window slides: two different runs
