@@ -70,6 +70,31 @@ def test_gguf_file_is_parsed_once_per_load(monkeypatch):
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, names)
 
 
+@pytest.mark.slow
+def test_reader_over_a_plain_array_reads_what_gguf_reads():
+    """Inside the load, gguf's reader slices a plain ndarray over the same mapping: every field part and tensor
+    must be byte-for-byte what gguf's own (memmap) reader gives."""
+    import gguf
+    import numpy as np
+
+    from kvzap_export import llm as llm_module
+
+    path = smollm2_gguf()
+    theirs = gguf.GGUFReader(path)
+    with llm_module._gguf_parsed_once():
+        ours = gguf.GGUFReader(path)
+    assert isinstance(theirs.data, np.memmap)
+    assert type(ours.data) is np.ndarray and isinstance(ours.data.base, np.memmap)  # a view of the mapping, no copy
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields["tokenizer.ggml.tokens"].data) > 49_000
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(mine.parts, field.parts, strict=True)), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == tensor.tensor_type and np.array_equal(mine.data, tensor.data), tensor.name
+
+
 def test_equal_length_batches_groups_by_length_in_order():
     from kvzap_export.llm import equal_length_batches
 
