@@ -16,11 +16,12 @@ decode step is memory-bound (it streams the weights once): two of them at once s
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
+
+from kvzap_export.resources import usable_cores  # affinity capped by a cgroup CPU quota; side_by_side looks it up here
 
 SMALL_WORK = 1
 T = TypeVar("T")
@@ -29,13 +30,6 @@ _worker = threading.local()  # ``cores``: in a ``side_by_side`` job, the cores t
 
 class Stopped(Exception):
     """Raised inside a side-by-side job (``stop_point``) once another job failed or the caller was interrupted."""
-
-
-def usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def large_work_threads() -> int:
@@ -93,7 +87,8 @@ def side_by_side(jobs: Sequence[Callable[[threading.Event], T]], together: bool 
 
     Each job gets a ``threading.Event`` that is set once another job failed or the caller was interrupted
     (KeyboardInterrupt): a job calls ``stop_point(event)`` where it can stop (``stop_hooks`` puts one before every
-    decoder layer of a model). The first error is raised after every job has ended; nothing keeps running behind it.
+    decoder layer of a model). After every job has ended (nothing keeps running behind it) the first job's error is
+    raised (in job order; a ``Stopped`` only when no job failed otherwise), with any other job's error noted on it.
     On a single core, or with ``together=False``, the jobs run one after the other, in the caller's thread.
     """
     stop = threading.Event()
@@ -101,28 +96,39 @@ def side_by_side(jobs: Sequence[Callable[[threading.Event], T]], together: bool 
         return [job(stop) for job in jobs]
     share = max(1, usable_cores() // len(jobs))
 
-    def one_thread(job):
-        import torch
+    import torch
 
+    def one_thread(job):
         _worker.cores = share
-        torch.set_num_threads(SMALL_WORK)  # this thread's OpenMP/MKL setting; the caller's is untouched
+        # Per thread: OpenMP's and MKL's counts. Process-wide: the count a thread's first parallel region starts
+        # with and the pthreadpool size; the caller sets them back to its own count once the jobs have ended.
+        torch.set_num_threads(SMALL_WORK)
         try:
             return job(stop)
         except BaseException:
             stop.set()  # the other jobs stop at their next stop point
             raise
 
-    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="kvzap-side-by-side") as pool:
-        futures = [pool.submit(one_thread, job) for job in jobs]
-        try:
-            wait(futures)
-        except BaseException:  # KeyboardInterrupt here: stop the jobs, let them end, then raise it
-            stop.set()
-            wait(futures)
-            raise
+    caller_threads = torch.get_num_threads()
+    futures = []
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="kvzap-side-by-side") as pool:
+            try:
+                futures.extend(pool.submit(one_thread, job) for job in jobs)
+                wait(futures)
+            except BaseException:  # KeyboardInterrupt here: stop the jobs, let them end, then raise it
+                stop.set()
+                wait(futures)
+                raise
+    finally:
+        torch.set_num_threads(caller_threads)
     errors = [future.exception() for future in futures if future.exception() is not None]
-    if errors:  # the error that stopped the others, not the ``Stopped`` it caused in them
-        raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+    if errors:  # the error that stopped the others, not the ``Stopped`` it caused in them; the others noted on it
+        first = next((e for e in errors if not isinstance(e, Stopped)), errors[0])
+        for other in errors:
+            if other is not first and not isinstance(other, Stopped) and hasattr(first, "add_note"):
+                first.add_note(f"another run failed too: {type(other).__name__}: {other}")
+        raise first
     return [future.result() for future in futures]
 
 

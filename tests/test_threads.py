@@ -110,9 +110,39 @@ def test_an_interrupt_stops_every_job_before_it_propagates(two_cores):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the caller waits for the jobs
         return job(stop)
 
-    with pytest.raises(KeyboardInterrupt):
-        side_by_side([job, interrupting])
+    # Python turns SIGINT into KeyboardInterrupt only where it was not ignored at start (a background job of a
+    # non-interactive shell starts with it ignored): install that handler for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            side_by_side([job, interrupting])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stopped == [1, 1]
+
+
+def test_every_failure_is_told_the_first_jobs_raised_the_others_noted(two_cores):
+    def failing(message, delay):
+        def run(stop):
+            time.sleep(delay)
+            raise ValueError(message)
+        return run
+
+    with pytest.raises(ValueError, match="first job") as raised:  # job order, though the second failed earlier
+        side_by_side([failing("first job", 0.05), failing("second job", 0.0)])
+    assert "ValueError: second job" in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+def test_a_thread_that_starts_torch_after_the_jobs_gets_the_callers_thread_count(two_cores):
+    """torch seeds a thread's first thread count from the last one any thread set (process-wide): the jobs set 1,
+    the caller sets its own back."""
+    seen = []
+    with torch_threads(2):
+        side_by_side([lambda stop: None] * 2)
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+    assert seen == [2]
 
 
 def test_on_one_core_jobs_run_one_after_the_other_in_the_callers_thread(monkeypatch):

@@ -186,15 +186,17 @@ def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_t
 
 
 def room_for_copies(llm, count: int) -> bool:
-    """True when ``count`` copies of ``llm``'s weights take at most half the memory available now (Linux's
-    MemAvailable): the embedded 135M model (0.5 GB in float32) yes, an 8B model on a 64 GB machine no."""
+    """True when ``count`` copies of ``llm``'s weights take at most half the memory this process can still get
+    (``resources.available_memory``: the host's MemAvailable, capped by a container's cgroup limit): the embedded 135M
+    model (0.5 GB in float32) yes, an 8B model on a 64 GB machine no. The other half is for the runs' caches,
+    logits and activations, three at once."""
+    from kvzap_export.resources import available_memory
+
     size = sum(t.numel() * t.element_size() for t in (*llm.parameters(), *llm.buffers()))
-    try:
-        with open("/proc/meminfo") as meminfo:
-            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
+    available = available_memory()
+    if available is None:
         return False  # unknown: one model, runs one after the other
-    return count * size <= kib * 1024 // 2
+    return count * size <= available // 2
 
 
 def held_out_prompts(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
