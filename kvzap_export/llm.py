@@ -133,9 +133,12 @@ def _gguf_parsed_once() -> Iterator[None]:
             parsed[key] = original(gguf_checkpoint_path, return_tensors=False)
         return copy.deepcopy(parsed[key])
 
+    # Inside another such block (a load in another thread) gguf.GGUFReader is that block's reader_once already.
+    reader_class = _plain_array_reader(original_reader) if isinstance(original_reader, type) else original_reader
+
     @functools.cache
     def reader_once(path, mode="r"):
-        return _plain_array_reader(original_reader)(path, mode)
+        return reader_class(path, mode)
 
     # transformers binds load_gguf_checkpoint by name in the modules that call it: replace it there too. GGUFReader
     # and get_tensor_name_map it imports from gguf inside its functions, so gguf's attributes are what it finds.

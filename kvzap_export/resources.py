@@ -4,76 +4,87 @@
 a Kubernetes pod, a CI runner) the cgroup's CPU quota and memory limit are what the process really gets. Both cgroup
 versions are read: v2 (``cpu.max``, ``memory.max`` - ``memory.current``) and v1 (``cpu.cfs_quota_us`` /
 ``cpu.cfs_period_us``, ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``), in the process's own cgroup (from
-``/proc/self/cgroup``) or, where a cgroup namespace shows it as the root, at the mount point.
+``/proc/self/cgroup``) and every parent up to the mount point; the tightest limit wins.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def _membership(text: str | None = None) -> dict[str, str]:
-    """controller (``""`` for cgroup v2) -> the process's cgroup path, from ``/proc/self/cgroup``."""
+def _membership(text: str | None = None) -> dict[str, tuple[str, str]]:
+    """controller (``""`` for cgroup v2) -> (the process's cgroup path, the hierarchy's joined controller names, e.g.
+    ``cpu,cpuacct``), from ``/proc/self/cgroup``."""
     if text is None:
         try:
             text = Path("/proc/self/cgroup").read_text()
         except OSError:
             return {}
-    paths: dict[str, str] = {}
+    paths: dict[str, tuple[str, str]] = {}
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3:
             for controller in parts[1].split(",") if parts[1] else [""]:
-                paths[controller.removeprefix("name=")] = parts[2]
+                paths[controller.removeprefix("name=")] = (parts[2], parts[1])
     return paths
 
 
-def _read(root: Path, membership: dict[str, str], controller: str, names: tuple[str, ...]) -> list[str] | None:
-    """The contents of ``names`` in the process's cgroup of ``controller`` (v1: ``root/controller/...``, v2: ``root/...``),
-    or at that hierarchy's top; None where the files are not there."""
+def _levels(root: Path, membership: dict[str, tuple[str, str]], controller: str,
+            names: tuple[str, ...]) -> Iterator[list[str]]:
+    """The contents of ``names`` at each level that has them, from the process's cgroup of ``controller`` up to its
+    hierarchy's top (v2: ``root``; v1: ``root/controller`` or ``root/cpu,cpuacct``): a limit set on a parent (a
+    systemd slice, a Kubernetes pod) binds the process as much as its own. Where a cgroup namespace hides the path, the
+    top is the process's own cgroup."""
     if controller not in membership:
-        return None
-    top = root / controller if controller else root
-    for directory in (top / membership[controller].lstrip("/"), top):
+        return
+    path, joined = membership[controller]
+    tops = [root] if not controller else list(dict.fromkeys([root / controller, root / joined]))
+    top = next((candidate for candidate in tops if candidate.is_dir()), None)
+    if top is None:
+        return
+    relative = PurePosixPath(path.lstrip("/"))
+    for level in [relative, *relative.parents]:
         try:
-            return [(directory / name).read_text().strip() for name in names]
+            yield [(top / level / name).read_text().strip() for name in names]
         except OSError:
             continue
-    return None
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, cgroup_text: str | None = None) -> int | None:
-    """Cores the cgroup's CPU quota allows (rounded up), or None without a quota."""
+    """Cores the tightest CPU quota of the process's cgroup and its parents allows (rounded up), or None without one."""
     membership = _membership(cgroup_text)
-    values = _read(root, membership, "", ("cpu.max",))
-    if values is not None:
-        quota, _, period = values[0].partition(" ")
+    quotas = []
+    for (value,) in _levels(root, membership, "", ("cpu.max",)):
+        quota, _, period = value.partition(" ")
         if quota != "max" and period:
-            return max(1, math.ceil(int(quota) / int(period)))
-    values = _read(root, membership, "cpu", ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
-    if values is not None and int(values[0]) > 0 and int(values[1]) > 0:
-        return max(1, math.ceil(int(values[0]) / int(values[1])))
-    return None
+            quotas.append(int(quota) / int(period))
+    for quota, period in _levels(root, membership, "cpu", ("cpu.cfs_quota_us", "cpu.cfs_period_us")):
+        if int(quota) > 0 and int(period) > 0:
+            quotas.append(int(quota) / int(period))
+    return max(1, math.ceil(min(quotas))) if quotas else None
 
 
 def cgroup_memory_room(root: Path = CGROUP_ROOT, cgroup_text: str | None = None) -> int | None:
-    """Bytes the cgroup's memory limit still leaves, or None without a limit: limit - usage, where the usage leaves out
-    the inactive file cache (the kernel reclaims it before it kills anything; ``docker stats`` counts the same way)."""
+    """Bytes the tightest memory limit of the process's cgroup and its parents still leaves, or None without one:
+    limit - usage, where the usage leaves out the inactive file cache (the kernel reclaims it before it kills
+    anything; ``docker stats`` counts the same way)."""
     membership = _membership(cgroup_text)
+    rooms = []
     for controller, names, cache in (("", ("memory.max", "memory.current", "memory.stat"), "inactive_file"),
                                      ("memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat"),
                                       "total_inactive_file")):
-        values = _read(root, membership, controller, names)
-        if values is not None and values[0] != "max" and int(values[0]) < _UNLIMITED:
-            stat = dict(line.split(" ", 1) for line in values[2].splitlines() if " " in line)
-            used = int(values[1]) - int(stat.get(cache, 0))
-            return max(0, int(values[0]) - max(0, used))
-    return None
+        for limit, usage, stat_text in _levels(root, membership, controller, names):
+            if limit != "max" and int(limit) < _UNLIMITED:
+                stat = dict(line.split(" ", 1) for line in stat_text.splitlines() if " " in line)
+                used = int(usage) - int(stat.get(cache, 0))
+                rooms.append(max(0, int(limit) - max(0, used)))
+    return min(rooms) if rooms else None
 
 
 def usable_cores() -> int:

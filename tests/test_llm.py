@@ -95,6 +95,30 @@ def test_reader_over_a_plain_array_reads_what_gguf_reads():
         assert mine.tensor_type == tensor.tensor_type and np.array_equal(mine.data, tensor.data), tensor.name
 
 
+def test_nested_parsed_once_blocks_read_through_the_outer_reader(tmp_path):
+    """A load inside another (e.g. two threads loading at once) finds gguf.GGUFReader already replaced."""
+    import gguf
+    import numpy as np
+
+    from kvzap_export.llm import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with _gguf_parsed_once():
+        outer = gguf.GGUFReader
+        with _gguf_parsed_once():
+            reader = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader is outer
+    assert gguf.GGUFReader is original
+    assert type(reader.data) is np.ndarray and reader.tensors[0].data.tolist() == np.arange(12).reshape(3, 4).tolist()
+
+
 def test_equal_length_batches_groups_by_length_in_order():
     from kvzap_export.llm import equal_length_batches
 

@@ -52,6 +52,19 @@ def test_cgroup_v1_memory_limit_and_unlimited(tmp_path):
     assert cgroup_memory_room(tmp_path, V2) is None
 
 
+def test_the_tightest_limit_of_the_cgroup_and_its_parents_binds(tmp_path):
+    _files(tmp_path, "job.slice", memory_max="5000", memory_current="1000", memory_stat="", cpu_max="100000 100000")
+    _files(tmp_path, "job.slice/runner", memory_max="max", memory_current="900", memory_stat="", cpu_max="max 100000")
+    assert cgroup_memory_room(tmp_path, V2) == 4000 and cgroup_cpu_limit(tmp_path, V2) == 1  # the slice's limits
+    _files(tmp_path, "job.slice/runner", memory_max="2000", memory_current="900", memory_stat="", cpu_max="max 100000")
+    assert cgroup_memory_room(tmp_path, V2) == 1100  # its own, tighter than the slice's
+
+
+def test_cgroup_v1_cpu_mounted_under_its_joined_name(tmp_path):
+    _files(tmp_path, "cpu,cpuacct/docker/abc", cpu_cfs_quota_us="150000", cpu_cfs_period_us="100000")
+    assert cgroup_cpu_limit(tmp_path, V1) == 2
+
+
 def test_no_cgroup_files_mean_no_limit(tmp_path):
     assert cgroup_cpu_limit(tmp_path, V2) is None and cgroup_memory_room(tmp_path, V1) is None
 
