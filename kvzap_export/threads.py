@@ -92,9 +92,10 @@ def side_by_side(jobs: Sequence[Callable[[threading.Event], T]], together: bool 
     On a single core, or with ``together=False``, the jobs run one after the other, in the caller's thread.
     """
     stop = threading.Event()
-    if not together or usable_cores() == 1 or len(jobs) == 1:
+    cores = usable_cores()
+    if not together or cores == 1 or len(jobs) == 1:
         return [job(stop) for job in jobs]
-    share = max(1, usable_cores() // len(jobs))
+    share = max(1, cores // len(jobs))
 
     import torch
 

@@ -54,7 +54,7 @@ def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_t
     process-wide state (torch's init functions, the default dtype) and is not safe to run in two threads at once."""
     from kvzap_export.threads import prefill_threads
 
-    press = press or kvpress_press(bundle, manifest, llm, decoding)
+    press = press if press is not None else kvpress_press(bundle, manifest, llm, decoding)
     counting = llm.register_forward_hook(lambda *_: on_token()) if on_token else None
     try:
         with press(llm), torch.no_grad(), prefill_threads(llm):
