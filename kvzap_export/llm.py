@@ -218,3 +218,17 @@ def capture_hidden_states(llm) -> Iterator[dict[int, torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def capture_final_hidden(llm) -> Iterator[list[torch.Tensor]]:
+    """Records the output of the decoder's final norm (what the LM head reads), (batch, tokens, hidden), once per
+    forward; records nothing for a model without ``.model.norm``."""
+    captured: list[torch.Tensor] = []
+    norm = getattr(getattr(llm, "model", None), "norm", None)
+    handle = norm.register_forward_hook(lambda _m, _a, out: captured.append(out.detach())) if norm is not None else None
+    try:
+        yield captured
+    finally:
+        if handle is not None:
+            handle.remove()

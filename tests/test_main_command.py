@@ -45,6 +45,9 @@ def test_model_level_physical_compaction_matches_kvpress(bundle):
     assert detail["identical_continuations"] == len(detail["prompts"]) >= 5 and detail["new_tokens"] == 64
     assert detail["max_logits_diff"] <= 1e-3
     assert detail["pruned_fraction"] > 0.2
+    from kvzap_export.validate.hidden import TEXTS
+
+    assert detail["prefill_from_capture"].startswith(f"{TEXTS} of 5 prompts")  # the first TEXTS prompts begin captured texts
     # Measured on both sides: our compacted cache's tensors vs the dense cache's tensors less kvpress's own masks.
     assert detail["measured_held_bytes"] == detail["expected_held_bytes"] < detail["measured_full_bytes"]
     assert detail["kvpress_masked_fraction"] == pytest.approx(detail["pruned_fraction"], abs=1e-12)

@@ -47,25 +47,69 @@ def resolve_model(manifest: dict, model: str | None) -> str | None:
     return None
 
 
+class CapturedText(NamedTuple):
+    """What the capture's forward computed for one held-out text, at every position."""
+
+    ids: torch.Tensor  # (T,) token ids
+    states: dict[int, torch.Tensor]  # layer -> (T, hidden): the attention input (the checks' hidden states)
+    keys: tuple[torch.Tensor, ...]  # per layer: (kv_heads, T, head_dim), as the KV cache holds them
+    values: tuple[torch.Tensor, ...]
+    final: torch.Tensor | None  # (T, hidden): the final norm's output, what the LM head reads (None: not reusable)
+
+    def prefix(self, tokens: int) -> CapturedText:
+        """The first ``tokens`` positions: attention is causal, so a forward of those ids alone computes the same
+        values, up to float rounding (for a model whose RoPE does not depend on the forward's length)."""
+        return CapturedText(self.ids[:tokens], {layer: s[:tokens] for layer, s in self.states.items()},
+                            tuple(k[:, :tokens] for k in self.keys), tuple(v[:, :tokens] for v in self.values),
+                            None if self.final is None else self.final[:tokens])
+
+
+_LATEST: dict[str, tuple[CapturedText, ...]] = {}  # model -> the capture its latest validation used (captured_prefix)
+
+
 @functools.lru_cache(maxsize=2)
-def _capture(model: str, texts: int, tokens: int) -> tuple[dict[int, torch.Tensor], ...]:
-    from kvzap_export.llm import capture_hidden_states, equal_length_batches, load_llm
+def _capture(model: str, texts: int, tokens: int) -> tuple[CapturedText, ...]:
+    from transformers import DynamicCache
+
+    from kvzap_export.llm import capture_final_hidden, capture_hidden_states, equal_length_batches, load_llm
     from kvzap_export.texts import held_out_texts
     from kvzap_export.threads import large_work_threads, torch_threads
 
     llm, tokenizer = load_llm(model, dtype="float32")
     prompts = [tokenizer(text, return_tensors="pt").input_ids[:, :tokens] for text in held_out_texts(texts)]
-    out: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
+    out: list[CapturedText | None] = [None] * len(prompts)
     for batch in equal_length_batches([ids.shape[1] for ids in prompts]):  # texts of equal length: one forward
-        with capture_hidden_states(llm) as captured, torch.no_grad(), torch_threads(large_work_threads()):
-            llm(input_ids=torch.cat([prompts[i] for i in batch]), logits_to_keep=1)  # the states, not the logits
+        ids = torch.cat([prompts[i] for i in batch])
+        cache = DynamicCache()  # every position of every layer, as the model level's own prefill keeps them
+        with capture_hidden_states(llm) as captured, capture_final_hidden(llm) as final, torch.no_grad(), \
+                torch_threads(large_work_threads()):
+            logits = llm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # the last only
+            # A prefix is reusable where the model's logits are its LM head on the final norm's output, nothing more
+            # (no scaling or soft-capping), and the cache holds every position.
+            reusable = (len(final) == 1 and torch.equal(llm.lm_head(final[0][:, -1:]), logits)
+                        and all(layer.keys.shape[-2] == ids.shape[1] for layer in cache.layers))
         for row, index in enumerate(batch):
-            out[index] = {layer: states[row].detach().clone() for layer, states in captured.items()}
+            out[index] = CapturedText(ids[row].clone(), {layer: states[row].clone() for layer, states in captured.items()},
+                                      tuple(layer.keys[row].clone() for layer in cache.layers) if reusable else (),
+                                      tuple(layer.values[row].clone() for layer in cache.layers) if reusable else (),
+                                      final[0][row].clone() if reusable else None)
     return tuple(out)
 
 
+def captured_prefix(model: str, ids: torch.Tensor) -> CapturedText | None:
+    """If the latest real hidden states of ``model`` in this process (``real_hidden_states``) came from a text whose
+    ids begin with ``ids`` (T,), what that forward computed for those T positions (``CapturedText.prefix``); else
+    None (also for a model whose capture is not reusable, see ``_capture``). Nothing is computed here."""
+    for text in _LATEST.get(model, ()):
+        tokens = ids.shape[-1]
+        if text.final is not None and text.ids.shape[0] >= tokens and torch.equal(text.ids[:tokens], ids):
+            return text.prefix(tokens)
+    return None
+
+
 def real_hidden_states(model: str, texts: int = TEXTS, tokens: int = TOKENS_PER_TEXT) -> HiddenStates:
-    captured = list(_capture(model, texts, tokens))
+    _LATEST[model] = _capture(model, texts, tokens)
+    captured = [text.states for text in _LATEST[model]]
     total = sum(next(iter(t.values())).shape[0] for t in captured)
     return HiddenStates(captured, "real", f"{model} on {len(captured)} held-out texts ({total} tokens)")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -112,6 +113,7 @@ class Generation(NamedTuple):
     prompt_len: int
     held_bytes: list[int]  # per sequence: K/V bytes the compacted cache holds after the prompt, measured from its tensors
     full_bytes: list[int]  # per sequence: K/V bytes of the dense prompt cache, measured from its tensors before compaction
+    prefill_reused: int = 0  # sequences whose prefill an earlier forward computed (``generate_compacted``'s ``prefilled``)
 
 
 @contextlib.contextmanager
@@ -129,33 +131,62 @@ def artifact_sessions(bundle: Path, manifest: dict) -> Iterator[tuple]:
 
 
 def generate_compacted(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, runners=None,
-                       on_token=None, stop=None) -> Generation:
+                       on_token=None, stop=None, prefilled=None) -> Generation:
     """Greedy generation with the physically compacted cache for a batch of equal-length prompts ``ids`` (B, T)
     (``runners`` from ``artifact_sessions``, or opened here; ``on_token()`` after each forward; ``stop``: a
-    ``side_by_side`` job's event, checked before every decoder layer)."""
+    ``side_by_side`` job's event, checked before every decoder layer; ``prefilled(ids_row)``: what an earlier forward
+    of this model computed for a prompt (``hidden.captured_prefix``), or None to prefill that prompt here)."""
     if runners is None:
         with artifact_sessions(bundle, manifest) as opened:
-            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened, on_token, stop)
-    from transformers import DynamicCache
-
+            return generate_compacted(llm, ids, bundle, manifest, new_tokens, opened, on_token, stop, prefilled)
     from kvzap_export.llm import decoder_layers
     from kvzap_export.threads import stop_hooks
 
     step = on_token or (lambda: None)
-    cache = DynamicCache()
     with stop_hooks(decoder_layers(llm), stop):
-        return _generate_compacted(llm, ids, cache, runners, manifest, new_tokens, step)
+        return _generate_compacted(llm, ids, runners, manifest, new_tokens, step, prefilled)
 
 
-def _generate_compacted(llm, ids, cache, runners, manifest, new_tokens, step) -> Generation:
+def _prefill(llm, ids: torch.Tensor, prefilled) -> tuple[object, dict[int, torch.Tensor], torch.Tensor, int]:
+    """The dense prefill of ``ids`` (B, T): the KV cache, each layer's attention input (B, T, hidden), the last
+    position's logits (B, vocab), and how many prompts came from ``prefilled`` instead of a forward here."""
+    from transformers import DynamicCache
+
     from kvzap_export.llm import capture_hidden_states
     from kvzap_export.threads import prefill_threads
 
-    with torch.no_grad(), capture_hidden_states(llm) as hidden, prefill_threads(llm):  # the prefill
-        out = llm(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        prompt_hidden = {k: v.clone() for k, v in hidden.items()}
+    known = [prefilled(row) if prefilled is not None else None for row in ids]
+    fresh = [b for b, text in enumerate(known) if text is None]
+    computed = DynamicCache()
+    if fresh:
+        with torch.no_grad(), capture_hidden_states(llm) as hidden, prefill_threads(llm):
+            out = llm(input_ids=ids[fresh], past_key_values=computed, use_cache=True, logits_to_keep=1)
+            states = {k: v.clone() for k, v in hidden.items()}
+        if len(fresh) == len(known):
+            return computed, states, out.logits[:, -1], 0
+    rows = []  # per prompt: (keys per layer, values per layer, states per layer, logits), each without the batch axis
+    for b, text in enumerate(known):
+        if text is None:
+            i = fresh.index(b)
+            rows.append(([layer.keys[i] for layer in computed.layers], [layer.values[i] for layer in computed.layers],
+                         [states[layer][i] for layer in sorted(states)], out.logits[i, -1]))
+        else:
+            with torch.no_grad():
+                logits = llm.lm_head(text.final[-1:])[0]  # as the model's forward does with logits_to_keep=1
+            rows.append((text.keys, text.values, [text.states[layer] for layer in sorted(text.states)], logits))
+    cache = DynamicCache()
+    for layer in range(len(rows[0][0])):
+        cache.update(torch.stack([r[0][layer] for r in rows]), torch.stack([r[1][layer] for r in rows]), layer)
+    hidden = {layer: torch.stack([r[2][layer] for r in rows]) for layer in range(len(rows[0][2]))}
+    return cache, hidden, torch.stack([r[3] for r in rows]), len(known) - len(fresh)
+
+
+def _generate_compacted(llm, ids, runners, manifest, new_tokens, step, prefilled) -> Generation:
+    from kvzap_export.threads import prefill_threads
+
+    cache, prompt_hidden, last, reused = _prefill(llm, ids, prefilled)
     step()
-    logits = [out.logits[:, -1]]
+    logits = [last]
     full = [sum(t[b].numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
             for b in range(ids.shape[0])]
     with compacted_attention(llm), torch.no_grad(), prefill_threads(llm):
@@ -170,7 +201,7 @@ def _generate_compacted(llm, ids, cache, runners, manifest, new_tokens, step) ->
             logits.append(out.logits[:, -1])
             token = logits[-1].argmax(-1, keepdim=True)
             tokens.append(token)
-    return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held, full)
+    return Generation(torch.cat(tokens, 1), torch.stack(logits, 1), counts, prompt_len, held, full, reused)
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
@@ -185,17 +216,27 @@ def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_t
         return run(llm, ids, bundle, manifest, new_tokens, decoding, on_token, press)
 
 
-def room_for_copies(llm, count: int) -> bool:
-    """True when ``count`` copies of ``llm``'s weights take at most half the memory this process can still get
-    (``resources.available_memory``: the host's MemAvailable, capped by a container's cgroup limit): the embedded 135M
-    model (0.5 GB in float32) yes, an 8B model on a 64 GB machine no. The other half is for the runs' caches,
-    logits and activations, three at once."""
+def model_copies(llm, count: int) -> list:
+    """``count`` copies of ``llm``'s module tree that share its parameters (inference never writes them), so the
+    weights are held once. Hooks, attention implementation, config and buffers are per copy: some models write a
+    buffer during a forward (a dynamic RoPE's ``inv_freq``)."""
+    shared = {id(t): t for t in llm.parameters()}
+    return [copy.deepcopy(llm, dict(shared)) for _ in range(count)]
+
+
+def room_for_runs_beside(llm, count: int) -> bool:
+    """True when ``count`` more runs can go beside the first: each holds its own KV cache, logits and activations,
+    estimated here at the size of ``llm``'s weights per run (at the model level's settings, for SmolLM2, about 0.3 GB
+    of cache, logits and captured states by their shapes, beside 0.5 GB of float32 weights; a small model with a large
+    vocabulary would need more for its logits), all of them within half the memory this process
+    can still get (``resources.available_memory``: the host's MemAvailable, capped by a container's cgroup limit). The
+    embedded 135M model yes, an 8B model on a 64 GB machine no."""
     from kvzap_export.resources import available_memory
 
     size = sum(t.numel() * t.element_size() for t in (*llm.parameters(), *llm.buffers()))
     available = available_memory()
     if available is None:
-        return False  # unknown: one model, runs one after the other
+        return False  # unknown: runs one after the other
     return count * size <= available // 2
 
 
@@ -213,6 +254,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     from kvzap_export.ops import memory_report
     from kvzap_export.threads import side_by_side, usable_cores
     from kvzap_export.validate import reference as ref
+    from kvzap_export.validate.hidden import captured_prefix
 
     if manifest["dtype"] != "float32":
         return {"status": "skipped", "reason": "the model-level check runs the fp32 artifacts in ONNX Runtime; "
@@ -226,24 +268,31 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
                        f"{len(batches)} batch{'es' if len(batches) > 1 else ''}", 3 * new_tokens * len(batches)) \
         if progress else None
     runs: dict[int, tuple] = {}
+    reused = 0
     reference = ref.new_reference(manifest, model, "float32", new_tokens)  # kvpress's tokens, for engines to compare with
     # The three runs of a batch go side by side (kvzap_export.threads.side_by_side), each on its own copy of the model
-    # (kvpress's press hooks and our attention implementation are per model object); one after the other on one model
-    # where two more copies would not fit comfortably in memory, or on one core.
-    together = usable_cores() > 1 and room_for_copies(llm, 2)
-    models = [llm, copy.deepcopy(llm), copy.deepcopy(llm)] if together else [llm] * 3
+    # (kvpress's press hooks and our attention implementation are per model object; the copies share the weights); one
+    # after the other on one model where two more runs would not fit comfortably in memory, or on one core.
+    together = usable_cores() > 1 and room_for_runs_beside(llm, 2)
+    # Our run's prefill of a prompt that begins one of the texts the hidden-state capture ran (the decision level's
+    # input) is that capture's forward, cut to the prompt: attention is causal, so a forward of the prompt alone computes
+    # the same, up to float rounding (tests/validate/test_model_level_batches.py). kvpress's runs prefill themselves.
+    reuse = functools.partial(captured_prefix, model)
+    models = [llm, *model_copies(llm, 2)] if together else [llm] * 3
     with artifact_sessions(bundle, manifest) as runners:
         for batch in batches:
             ids = torch.cat([prompt_ids[i] for i in batch])
             # kvpress's presses are made here, in this thread: loading their surrogate is not thread-safe.
             presses = [ref.kvpress_press(bundle, manifest, models[1 + d], decoding=d) for d in (False, True)]
-            jobs = [lambda stop: generate_compacted(models[0], ids, bundle, manifest, new_tokens, runners, advance, stop),
+            jobs = [lambda stop: generate_compacted(models[0], ids, bundle, manifest, new_tokens, runners, advance, stop,
+                                                    reuse),
                     lambda stop: generate_kvpress(models[1], ids, bundle, manifest, new_tokens, False, advance, stop, presses[0]),
                     lambda stop: generate_kvpress(models[2], ids, bundle, manifest, new_tokens, True, advance, stop, presses[1])]
             ours, theirs, decoding = side_by_side(jobs, together)
             for row, index in enumerate(batch):
                 runs[index] = (ours, theirs, decoding, row)
-    del models  # the copies (2 × the model's size) are freed here
+            reused += ours.prefill_reused
+    del models  # the copies' modules are freed here (their weights are llm's)
     per_prompt, worst_logits, all_counts, lengths = [], 0.0, [], []
     held_total = full_total = masked_total = 0
     for number, ids in enumerate(prompt_ids):
@@ -292,6 +341,8 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
                                 "before compaction less the entries kvpress masked (kvpress's own decisions)",
             "kv_cache_layouts_from_counts": layouts, "physical_layout_held": "ragged (per-head tensors, RaggedHeadsLayer)",
             "reference": str(ref.PATH),
+            "prefill_from_capture": f"{reused} of {prompts} prompts: our run's prefill is the hidden-state capture's forward "
+                                    "cut to the prompt (attention is causal); kvpress's runs prefill themselves",
             "summary": f"{sum(p['identical_tokens'] for p in per_prompt)}/{len(per_prompt)} identical {new_tokens}-token continuations, "
                        f"max logits diff {worst_logits:.1e}, pruned {pruned:.1%} (kvpress masked {masked_total / max(full_entries, 1):.1%}); "
                        f"K/V bytes held {held_fraction:.1%} of the full cache (both measured"

@@ -39,6 +39,30 @@ def test_compacted_run_of_a_batch_equals_each_prompt_alone(setup):
     assert both.held_bytes[0] != both.held_bytes[1]  # different prompts keep different entries
 
 
+def test_a_prefill_taken_from_the_capture_equals_our_own(setup, monkeypatch):
+    """Our run reuses the hidden-state capture's forward for a prompt that begins a captured text: a prompt cut from
+    a longer text computes the same prefix (attention is causal), so the whole run must be the same, here with one
+    prompt reused and one prefilled in the run (a mixed batch)."""
+    from kvzap_export.validate import hidden
+    from kvzap_export.validate.model_level import generate_compacted
+
+    llm, bundle, manifest, prompts = setup
+    # As if the latest validation had captured the first held-out text, 300 tokens: prompts[0] is its first 200.
+    monkeypatch.setitem(hidden._LATEST, "smollm2-135m", hidden._capture("smollm2-135m", 1, 300))
+    reuse = lambda row: hidden.captured_prefix("smollm2-135m", row)  # noqa: E731
+    assert reuse(prompts[0][0]) is not None and reuse(prompts[1][0]) is None
+    assert hidden.captured_prefix("another-model", prompts[0][0]) is None
+    ids = torch.cat(prompts)
+    own = generate_compacted(llm, ids, bundle, manifest, NEW_TOKENS)
+    steps = []
+    reused = generate_compacted(llm, ids, bundle, manifest, NEW_TOKENS, prefilled=reuse, on_token=lambda: steps.append(1))
+    assert (own.prefill_reused, reused.prefill_reused, len(steps)) == (0, 1, NEW_TOKENS)
+    assert torch.equal(own.tokens, reused.tokens)
+    torch.testing.assert_close(own.logits, reused.logits, rtol=0, atol=1e-4)  # float rounding: other GEMM shapes
+    assert all((a == b).all() for a, b in zip(own.counts, reused.counts))
+    assert (own.held_bytes, own.full_bytes, own.prompt_len) == (reused.held_bytes, reused.full_bytes, reused.prompt_len)
+
+
 def test_kvpress_run_of_a_batch_equals_each_prompt_alone(setup):
     from kvzap_export.validate.model_level import generate_kvpress
 
@@ -52,10 +76,8 @@ def test_kvpress_run_of_a_batch_equals_each_prompt_alone(setup):
 
 
 def test_runs_side_by_side_on_copies_of_the_model_equal_the_runs_one_after_the_other(setup, monkeypatch):
-    import copy
-
     from kvzap_export import threads
-    from kvzap_export.validate.model_level import generate_compacted, generate_kvpress
+    from kvzap_export.validate.model_level import generate_compacted, generate_kvpress, model_copies
     from kvzap_export.validate.reference import kvpress_press
 
     llm, bundle, manifest, prompts = setup
@@ -65,7 +87,7 @@ def test_runs_side_by_side_on_copies_of_the_model_equal_the_runs_one_after_the_o
 
     process_wide = lambda: (dict(vars(torch.nn.init)), torch.get_default_dtype(), PreTrainedModel.init_weights)  # noqa: E731
     before = process_wide()
-    models = [llm, copy.deepcopy(llm), copy.deepcopy(llm)]
+    models = [llm, *model_copies(llm, 2)]  # as the model level makes them: the weights shared
     presses = [kvpress_press(bundle, manifest, models[1 + d], d) for d in (False, True)]  # made in this thread
     ours, theirs, decoding = threads.side_by_side([
         lambda stop: generate_compacted(models[0], ids, bundle, manifest, NEW_TOKENS, stop=stop),
