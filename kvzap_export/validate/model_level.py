@@ -1,14 +1,16 @@
 """Model-level parity: the real model generating with a KV cache that the *exported artifacts* compact
 physically, per head, vs kvpress's ``DMSPress`` masking of the same model.
 
-Prefill is dense (as kvpress). Then, per layer, the surrogate ONNX scores the prompt's hidden states,
-the ONNX ``threshold_compaction`` graph decides, and the ONNX ``kv_compaction`` graph moves each head's
-kept K/V to the front; the cache then holds exactly each head's kept entries (``RaggedHeadsLayer``:
-ragged layout, bytes measured from its tensors), and an attention function masks the padding of the
-per-call dense view. Generated tokens are appended to every head; RoPE positions stay the original
-(logical) ones. Prompts of equal length run as one batch (no padding), in our run and in kvpress's alike: a
-decode step streams the weights once for the batch. Mode: prefill compaction (kvpress ``decoding=False``);
-decode-phase decisions are checked at decision level (tests/test_kvpress_decision_parity.py).
+Prefill is dense (as kvpress; for a prompt that begins a text the decision level's hidden states were
+captured from, our run takes that capture's forward, cut to the prompt: see ``hidden.captured_prefix``).
+Then, per layer, the surrogate ONNX scores the prompt's hidden states, the ONNX ``threshold_compaction``
+graph decides, and the ONNX ``kv_compaction`` graph moves each head's kept K/V to the front; the cache then
+holds exactly each head's kept entries (``RaggedHeadsLayer``: ragged layout, bytes measured from its
+tensors), and an attention function masks the padding of the per-call dense view. Generated tokens are
+appended to every head; RoPE positions stay the original (logical) ones. Prompts of equal length run as one
+batch (no padding), in our run and in kvpress's alike: a decode step streams the weights once for the batch.
+Mode: prefill compaction (kvpress ``decoding=False``); decode-phase decisions are checked at decision level
+(tests/test_kvpress_decision_parity.py).
 """
 
 from __future__ import annotations
