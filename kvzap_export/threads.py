@@ -9,8 +9,9 @@ use every core the process may use (``large_work_threads()``).
 
 Independent runs of the LLM (the model level's three greedy runs) go side by side instead (``side_by_side``): each in
 its own Python thread with torch on one intra-op thread, so no OpenMP barrier is shared and every core has work. A
-decode step is memory-bound (it streams the weights once): two of them at once stream faster than one alone does
-(measured: 2.7 GB/s each vs 3.4 alone on the 2-core machine of docs/benchmarks.md), and prefills fill both cores.
+decode step streams the weights once through small-row matrix products and pays per-op overhead; one thread neither
+saturates memory nor gains much from a second thread (docs/benchmarks.md: 5-row products at about half a core's
+peak, 11 GB/s of memory reads per core), so two or three runs at once keep both cores busy, and prefills fill both.
 """
 
 from __future__ import annotations
