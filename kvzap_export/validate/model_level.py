@@ -156,31 +156,30 @@ def _prefill(llm, ids: torch.Tensor, prefilled) -> tuple[object, dict[int, torch
 
     from kvzap_export.llm import capture_hidden_states
     from kvzap_export.threads import prefill_threads
+    from kvzap_export.validate.hidden import CapturedText
 
-    known = [prefilled(row) if prefilled is not None else None for row in ids]
-    fresh = [b for b, text in enumerate(known) if text is None]
-    computed = DynamicCache()
+    rows = [prefilled(row) if prefilled is not None else None for row in ids]  # per prompt: a CapturedText or None
+    fresh = [b for b, text in enumerate(rows) if text is None]
+    logits: list[torch.Tensor | None] = [None] * len(rows)
     if fresh:
+        computed = DynamicCache()
         with torch.no_grad(), capture_hidden_states(llm) as hidden, prefill_threads(llm):
             out = llm(input_ids=ids[fresh], past_key_values=computed, use_cache=True, logits_to_keep=1)
             states = {k: v.clone() for k, v in hidden.items()}
-        if len(fresh) == len(known):
+        if len(fresh) == len(rows):
             return computed, states, out.logits[:, -1], 0
-    rows = []  # per prompt: (keys per layer, values per layer, states per layer, logits), each without the batch axis
-    for b, text in enumerate(known):
-        if text is None:
-            i = fresh.index(b)
-            rows.append(([layer.keys[i] for layer in computed.layers], [layer.values[i] for layer in computed.layers],
-                         [states[layer][i] for layer in sorted(states)], out.logits[i, -1]))
-        else:
-            with torch.no_grad():
-                logits = llm.lm_head(text.final[-1:])[0]  # as the model's forward does with logits_to_keep=1
-            rows.append((text.keys, text.values, [text.states[layer] for layer in sorted(text.states)], logits))
+        for i, b in enumerate(fresh):
+            rows[b] = CapturedText(ids[b], {layer: s[i] for layer, s in states.items()},
+                                   tuple(layer.keys[i] for layer in computed.layers),
+                                   tuple(layer.values[i] for layer in computed.layers), None)
+            logits[b] = out.logits[i, -1]
+    with torch.no_grad():  # a reused prompt's logits: the LM head on its final norm output, as the model's forward does
+        logits = [lm if lm is not None else llm.lm_head(text.final[-1:])[0] for lm, text in zip(logits, rows)]
     cache = DynamicCache()
-    for layer in range(len(rows[0][0])):
-        cache.update(torch.stack([r[0][layer] for r in rows]), torch.stack([r[1][layer] for r in rows]), layer)
-    hidden = {layer: torch.stack([r[2][layer] for r in rows]) for layer in range(len(rows[0][2]))}
-    return cache, hidden, torch.stack([r[3] for r in rows]), len(known) - len(fresh)
+    for layer in range(len(rows[0].keys)):
+        cache.update(torch.stack([r.keys[layer] for r in rows]), torch.stack([r.values[layer] for r in rows]), layer)
+    hidden = {layer: torch.stack([r.states[layer] for r in rows]) for layer in rows[0].states}
+    return cache, hidden, torch.stack(logits), len(rows) - len(fresh)
 
 
 def _generate_compacted(llm, ids, runners, manifest, new_tokens, step, prefilled) -> Generation:
@@ -276,10 +275,7 @@ def run_model_level(bundle: Path, manifest: dict, model: str, prompts: int = 5, 
     # (kvpress's press hooks and our attention implementation are per model object; the copies share the weights); one
     # after the other on one model where two more runs would not fit comfortably in memory, or on one core.
     together = usable_cores() > 1 and room_for_runs_beside(llm, 2)
-    # Our run's prefill of a prompt that begins one of the texts the hidden-state capture ran (the decision level's
-    # input) is that capture's forward, cut to the prompt: attention is causal, so a forward of the prompt alone computes
-    # the same, up to float rounding (tests/validate/test_model_level_batches.py). kvpress's runs prefill themselves.
-    reuse = functools.partial(captured_prefix, model)
+    reuse = functools.partial(captured_prefix, model)  # our run's prefill from the capture (module docstring)
     models = [llm, *model_copies(llm, 2)] if together else [llm] * 3
     with artifact_sessions(bundle, manifest) as runners:
         for batch in batches:

@@ -47,6 +47,7 @@ def test_a_model_whose_logits_are_more_than_its_head_on_the_final_norm_is_not_re
     from kvzap_export.llm import load_llm
 
     llm, _ = load_llm(tiny, dtype="float32")
+
     def scale(_module, _args, out):  # as Granite's and Cohere's forwards do after the LM head
         out.logits.mul_(0.5)
 
