@@ -34,6 +34,7 @@ an engine subtracts from its cached length (TensorRT-LLM ``py_num_compressed_tok
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -279,6 +280,18 @@ class RequestState:
         out.scatter_(-1, target, torch.ones_like(target, dtype=torch.bool))
         return out[:, : self.logical_length]
 
+    def visible_all(self, exact: bool = True) -> torch.Tensor:
+        """bool [L, H, logical_length]: ``visible(layer)`` for every layer at once (one scatter)."""
+        P = self.positions.shape[-1]
+        out = torch.zeros(self.num_layers, self.num_kv_heads, self.logical_length + 1, dtype=torch.bool,
+                          device=self.positions.device)
+        held = torch.arange(P, device=self.positions.device) < self.counts[..., None]
+        if exact:
+            held = held & self.rule_kept
+        target = torch.where(held, self.positions, self.logical_length)  # padding lands in a spare column
+        out.scatter_(-1, target, torch.ones_like(target, dtype=torch.bool))
+        return out[..., : self.logical_length]
+
     def kept_positions(self, layer: int, head: int, exact: bool = True) -> torch.Tensor:
         """int64 [n]: logical positions held by one (layer, head), ascending."""
         n = int(self.counts[layer, head])
@@ -388,7 +401,7 @@ class BundleScorer:
         self.num_layers, self.total_kv_heads = cfg.n_modules, cfg.output_dim
         self.heads = heads or (0, cfg.output_dim)
         self.num_kv_heads = self.heads[1] - self.heads[0]
-        self._params: dict[tuple, dict] = {}
+        self._layers: dict[tuple, object] = {}  # (layer, dtype, device) -> the cast layer, callable
 
     @classmethod
     def from_bundle(cls, bundle, tp_size: int = 1, tp_rank: int = 0) -> "BundleScorer":
@@ -403,14 +416,28 @@ class BundleScorer:
 
     def score(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
         key = (layer, hidden_states.dtype, hidden_states.device)
-        params = self._params.get(key)
-        if params is None:
-            module = self.surrogate.layers[layer]
-            params = self._params[key] = {k: v.detach().to(hidden_states.device, hidden_states.dtype)
-                                          for k, v in module.state_dict().items()}
+        run = self._layers.get(key)
+        if run is None:  # the layer cast to the activation's dtype and device, once (it runs every layer and step)
+            run = self._layers[key] = _direct(copy.deepcopy(self.surrogate.layers[layer]).to(
+                device=hidden_states.device, dtype=hidden_states.dtype).requires_grad_(False))
         with torch.no_grad():
-            out = torch.func.functional_call(self.surrogate.layers[layer], params, (hidden_states,))
+            out = run(hidden_states)
         return out[..., self.heads[0]: self.heads[1]]
+
+
+def _direct(module: torch.nn.Module):
+    """The surrogate layer as the functional calls its modules make (``F.linear``, exact ``F.gelu``): the same
+    arithmetic without the module-call overhead, which at a decode step costs more than the layer's math."""
+    import torch.nn.functional as F
+
+    if isinstance(module, torch.nn.Linear):
+        return lambda x: F.linear(x, module.weight, module.bias)
+    parts = list(module) if isinstance(module, torch.nn.Sequential) else []
+    if (len(parts) == 3 and isinstance(parts[0], torch.nn.Linear) and isinstance(parts[1], torch.nn.GELU)
+            and parts[1].approximate == "none" and isinstance(parts[2], torch.nn.Linear)):
+        first, second = parts[0], parts[2]
+        return lambda x: F.linear(F.gelu(F.linear(x, first.weight, first.bias)), second.weight, second.bias)
+    return module
 
 
 class StepScores:

@@ -1,17 +1,33 @@
 """Per-head KV storage: one-head entries in one pool, a row of entry ids per (request, layer, KV head).
 
 Engine-independent (pure torch). The SGLang ragged mode (``integrations/sglang/ragged.py``) keeps its
-requests' K/V here; the design is in docs/ragged-kv.md.
+requests' K/V here; the design is in docs/ragged-kv.md. Every operation takes a whole step's requests at
+once: no loop over requests reads the device, and a step reads it back at most once (the lengths its
+decisions left).
 
-- ``k``, ``v``: ``[capacity, head_dim]``; one entry = one token of one KV head of one layer.
-- a free list (stack of entry ids; ``available`` is O(1));
-- per request row, a ``RowTable``: ``ids int64 [L, H, cap]``, ``positions int64 [L, H, cap]`` (logical
-  positions, ascending per row), ``lengths int64 [L, H]``, ``logical`` (tokens appended so far).
+The pool, ``capacity`` entries (one entry = one token of one KV head of one layer):
+
+- ``k`` [capacity, D], ``v`` [capacity, Dv]: the entry's K and V, in the model's dtype, each contiguous (decode
+  attention gathers keys and reads values in place, ``kernels.ragged_attention``);
+- ``scores`` [capacity]: the surrogate score of the entry's (token, layer, head), kept until a decision tests it
+  (in the model's dtype: kvpress compares in it);
+- a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in.
+
+The rows, indexed by the engine's request row (SGLang's ``req_pool_idx``) and grown on demand:
+
+- ``ids`` int32 [rows, L, H, width]: each (row, layer, head)'s entry ids in ascending logical positions
+  (columns past the row's length are 0, a valid id, so gathers of padding read something harmless);
+- ``lengths`` int32 [rows, L, H] on the pool's device, mirrored on the host (``lengths_host``), so that a
+  step's widths are known before its forward without reading the device;
+- ``logical`` (host): tokens appended per row.
+
+Decisions follow kvpress ``DMSPress`` (DESIGN.md): strict ``score < threshold`` evicts, the last ``window``
+logical positions and the first ``sink`` are kept. ``decide_prefill`` tests every entry of a (dense) prompt;
+``decide_decode`` tests, per (layer, head), the one entry that left the window at this decode step (kvpress
+``decoding=True``: each token is tested once, when it leaves the window).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -22,31 +38,32 @@ class StoreFull(RuntimeError):
     """More entries were asked for than the pool has free (the engine's admission control let it through)."""
 
 
-@dataclass
-class RowTable:
-    ids: torch.Tensor  # int64 [L, H, cap]
-    positions: torch.Tensor  # int64 [L, H, cap]
-    lengths: torch.Tensor  # int64 [L, H]
-    logical: int = 0
-
-    def held(self) -> int:
-        return int(self.lengths.sum())
-
-
 class RaggedStore:
-    """The pool and the request rows. ``rows`` is keyed by the engine's request row id."""
+    """The pool and the request rows (see the module docstring)."""
 
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if capacity <= 0 or num_layers <= 0 or num_kv_heads <= 0 or head_dim <= 0:
+                 *, rows: int = 1, width: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if capacity <= 0 or num_layers <= 0 or num_kv_heads <= 0 or head_dim <= 0 or rows <= 0 or width <= 0:
             raise InputError(f"RaggedStore needs positive sizes, got capacity={capacity}, layers={num_layers}, "
-                             f"kv_heads={num_kv_heads}, head_dim={head_dim}")
+                             f"kv_heads={num_kv_heads}, head_dim={head_dim}, rows={rows}, width={width}")
+        if capacity >= 2**31:
+            raise InputError(f"RaggedStore: {capacity} entries do not fit int32 entry ids; use a smaller pool")
         self.capacity, self.num_layers, self.num_kv_heads = capacity, num_layers, num_kv_heads
-        self.k = torch.zeros(capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(capacity, v_head_dim or head_dim, dtype=dtype, device=device)
-        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64, device=device)  # top of stack = end
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim or head_dim
+        self.device = torch.device(device)
+        self.k = torch.zeros(capacity, self.head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros(capacity, self.v_head_dim, dtype=dtype, device=self.device)
+        self.scores = torch.zeros(capacity, dtype=dtype, device=self.device)
+        # Top of the stack = the end; the first ids taken are 0, 1, 2, ... (ascending, contiguous).
+        self._free = torch.cat([torch.arange(capacity - 1, -1, -1, dtype=torch.int32),
+                                torch.zeros(1, dtype=torch.int32)]).to(self.device)
         self._top = capacity
-        self.rows: dict[int, RowTable] = {}
+        self.ids = torch.zeros(rows, num_layers, num_kv_heads, width, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
+        self.lengths_host = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)
+        self.logical: dict[int, int] = {}  # row -> tokens appended (rows present here hold entries)
+        self.tested: dict[int, int] = {}  # row -> logical positions below this one have been decided on
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
@@ -59,108 +76,213 @@ class RaggedStore:
         """Entries handed out (read from the free list, not from the rows)."""
         return self.capacity - self._top
 
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+    @property
+    def rows(self) -> list[int]:
+        """Request rows that hold entries."""
+        return list(self.logical)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each tensor the store allocated: K, V, scores, row tables (ids, lengths), free list."""
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        return {"k": size(self.k), "v": size(self.v), "scores": size(self.scores), "row_tables": size(self.ids) + size(self.lengths)
+                + size(self.lengths_host), "free_list": size(self._free)}
 
     def _take(self, n: int) -> torch.Tensor:
         if n > self._top:
             raise StoreFull(f"ragged KV store: {n} entries asked, {self._top} free of {self.capacity}")
         self._top -= n
-        return self._free[self._top: self._top + n].clone()
+        return self._free[self._top: self._top + n].flip(0).to(torch.int64)
 
-    def _give(self, ids: torch.Tensor) -> None:
-        n = ids.numel()
-        if self._top + n > self.capacity:
-            raise RuntimeError(f"ragged KV store: freeing {n} entries would exceed the capacity {self.capacity}")
-        self._free[self._top: self._top + n] = ids.reshape(-1).to(self._free.device)
-        self._top += n
+    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        """Pushes ``ids[mask]`` (``count`` of them, known on the host) on the free list without reading the device:
+        masked-out ids are written to the spare slot past the stack."""
+        if count == 0:
+            return
+        if self._top + count > self.capacity:
+            raise RuntimeError(f"ragged KV store: freeing {count} entries would exceed the capacity {self.capacity}")
+        mask = mask.reshape(-1)
+        where = torch.cumsum(mask, 0, dtype=torch.int64) - 1 + self._top
+        where = torch.where(mask, where, self.capacity)
+        self._free.index_put_((where,), ids.reshape(-1).to(torch.int32))
+        self._top += count
 
-    # ---- rows ------------------------------------------------------------------------------------
-    def row(self, row: int) -> RowTable:
-        table = self.rows.get(row)
-        if table is None:
-            raise InputError(f"ragged KV store: request row {row} holds nothing")
-        return table
-
-    def append(self, row: int, n: int) -> torch.Tensor:
-        """Gives row ``row`` one new entry per (layer, head) for each of ``n`` new tokens; returns their ids
-        ``[L, H, n]`` (at the end of every (layer, head) row, logical positions ``logical ... logical+n-1``)."""
+    def _ensure(self, rows: int, width: int) -> None:
+        """Grows the row tables to hold row ids < ``rows`` and ``width`` columns (doubling, copies once)."""
+        have_rows, have_width = self.ids.shape[0], self.ids.shape[-1]
+        if rows <= have_rows and width <= have_width:
+            return
+        new_rows = max(rows, have_rows if rows <= have_rows else 2 * have_rows)
+        new_width = max(width, have_width if width <= have_width else 2 * have_width)
         L, H = self.num_layers, self.num_kv_heads
-        ids = self._take(L * H * n).view(L, H, n)
-        table = self.rows.get(row)
-        device = self._free.device
-        if table is None:
-            cap = max(n, 16)
-            table = self.rows[row] = RowTable(torch.full((L, H, cap), -1, dtype=torch.int64, device=device),
-                                              torch.full((L, H, cap), -1, dtype=torch.int64, device=device),
-                                              torch.zeros(L, H, dtype=torch.int64, device=device))
-        width = int(table.lengths.max()) + n
-        if width > table.ids.shape[-1]:
-            grow = max(width, 2 * table.ids.shape[-1]) - table.ids.shape[-1]
-            table.ids = torch.cat([table.ids, table.ids.new_full((L, H, grow), -1)], -1)
-            table.positions = torch.cat([table.positions, table.positions.new_full((L, H, grow), -1)], -1)
-        at = table.lengths[..., None] + torch.arange(n, device=device)  # [L, H, n]
-        table.ids.scatter_(-1, at, ids)
-        logical = torch.arange(table.logical, table.logical + n, device=device).expand(L, H, n)
-        table.positions.scatter_(-1, at, logical.contiguous())
-        table.lengths += n
-        table.logical += n
-        return ids
+        ids = self.ids.new_zeros(new_rows, L, H, new_width)
+        ids[:have_rows, :, :, :have_width] = self.ids
+        lengths = self.lengths.new_zeros(new_rows, L, H)
+        lengths[:have_rows] = self.lengths
+        host = self.lengths_host.new_zeros(new_rows, L, H)
+        host[:have_rows] = self.lengths_host
+        self.ids, self.lengths, self.lengths_host = ids, lengths, host
 
-    def last(self, row: int, layer: int, n: int) -> torch.Tensor:
-        """The ids of the last ``n`` entries of every head of one layer: ``[H, n]`` (this forward's tokens)."""
-        table = self.row(row)
-        at = table.lengths[layer][:, None] - n + torch.arange(n, device=table.ids.device)
-        return table.ids[layer].gather(-1, at)
+    def _cells(self, rows: torch.Tensor, start: torch.Tensor, width: int) -> tuple:
+        """Index of columns ``start[b, l, h] ... + width`` of each (row, layer, head): for ``ids[...]``."""
+        L, H = self.num_layers, self.num_kv_heads
+        return (rows[:, None, None, None], torch.arange(L, device=self.device)[None, :, None, None],
+                torch.arange(H, device=self.device)[None, None, :, None],
+                start[..., None] + torch.arange(width, device=self.device))
 
-    def compact(self, row: int, indices: torch.Tensor, counts: torch.Tensor) -> int:
-        """Keeps, per (layer, head), the entries ``indices[l, h, :counts[l, h]]`` (indices into the row before
-        this call, ascending) and frees the others; returns the number freed. indices: int [L, H, K] (-1
-        padding); counts: int [L, H]."""
-        table = self.row(row)
-        L, H, width = table.ids.shape
-        if indices.shape[:2] != (L, H) or counts.shape != (L, H):
-            raise InputError(f"compact: indices {list(indices.shape)} / counts {list(counts.shape)} do not match "
-                             f"[{L}, {H}, ...] rows")
-        indices = indices.to(table.ids.device, torch.int64)
-        counts = counts.to(table.ids.device, torch.int64)
-        if bool((counts > table.lengths).any()):
-            raise InputError("compact: a row keeps more entries than it holds")
-        pos = torch.arange(width, device=table.ids.device)
-        held = pos < table.lengths[..., None]
-        k = indices.shape[-1]
-        valid = torch.arange(k, device=indices.device) < counts[..., None]
-        target = torch.where(valid, indices, width)  # padding lands in a spare column
-        keep = torch.zeros(L, H, width + 1, dtype=torch.bool, device=held.device).scatter_(-1, target, True)[..., :width]
-        evicted = table.ids[held & ~keep]
-        gather = indices.clamp(min=0)
-        new_ids = torch.where(valid, table.ids.gather(-1, gather), -1)
-        new_pos = torch.where(valid, table.positions.gather(-1, gather), -1)
-        table.ids = torch.cat([new_ids, new_ids.new_full((L, H, width - k), -1)], -1) if width > k else new_ids
-        table.positions = torch.cat([new_pos, new_pos.new_full((L, H, width - k), -1)], -1) if width > k else new_pos
-        table.lengths = counts.clone()
-        self._give(evicted)
-        return evicted.numel()
+    def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
-    def release(self, row: int) -> int:
-        """Frees every entry of row ``row`` (the request left it); returns how many. A row that holds nothing
-        is fine (a request that never ran a forward)."""
-        table = self.rows.pop(row, None)
-        if table is None:
+    # ---- a step's new tokens -------------------------------------------------------------------
+    def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
+        """Gives each row ``rows[b]`` one new entry per (layer, head) for each of its ``counts[b]`` new tokens, at the
+        end of every (layer, head) row (logical positions ``logical ... logical + counts[b] - 1``).
+
+        Returns the new entry ids int64 [L, H, T], T = sum(counts), tokens in the order of ``rows`` (the order a
+        forward lays the step's tokens out in); each (layer, head) of a request gets consecutive ids.
+        """
+        if len(rows) != len(counts) or len(set(rows)) != len(rows) or any(n < 0 for n in counts):
+            raise InputError(f"append: rows {rows} and counts {counts} must pair distinct rows with counts >= 0")
+        L, H = self.num_layers, self.num_kv_heads
+        total = sum(counts)
+        if total == 0:
+            return torch.zeros(L, H, 0, dtype=torch.int64, device=self.device)
+        new = self._take(L * H * total).view(L, H, total)
+        host = self.lengths_host
+        self._ensure(max(rows) + 1, max(int(host[r].max()) + n if r < host.shape[0] else n for r, n in zip(rows, counts)))
+        host = self.lengths_host
+        rows_host = torch.tensor(rows, dtype=torch.int64)
+        n_host = torch.tensor(counts, dtype=torch.int64)
+        token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host)  # [T] which request each token is
+        token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host)
+        rows_dev, token_row, token_j = (t.to(self.device) for t in (rows_host, token_row, token_j))
+        columns = self.lengths[rows_dev][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
+        layer = torch.arange(L, device=self.device)[:, None, None]
+        head = torch.arange(H, device=self.device)[None, :, None]
+        self.ids.index_put_((rows_dev[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
+        self.lengths[rows_dev] += n_host.to(self.device, torch.int32)[:, None, None]
+        host[rows_host] += n_host[:, None, None]
+        for r, n in zip(rows, counts):
+            self.logical[r] = self.logical.get(r, 0) + n
+        return new
+
+    def last_entries(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The ids of each row's last ``counts[b]`` entries per (layer, head): int64 [L, H, T], tokens in row
+        order (this forward's tokens when ``append`` gave them). rows, counts: int64 [B] on the device."""
+        L, H = self.num_layers, self.num_kv_heads
+        token_row = torch.repeat_interleave(torch.arange(rows.shape[0], device=self.device), counts)
+        token_j = torch.arange(token_row.shape[0], device=self.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        columns = (self.lengths[rows][token_row].permute(1, 2, 0).to(torch.int64)
+                   - counts[token_row] + token_j)  # [L, H, T]
+        layer = torch.arange(L, device=self.device)[:, None, None]
+        head = torch.arange(H, device=self.device)[None, :, None]
+        return self.ids[rows[token_row][None, None, :], layer, head, columns].to(torch.int64)
+
+    def batch_ids(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """int32 [B, L, H, width]: the rows' entry ids (columns past each row's length are padding)."""
+        return self.ids[rows, :, :, :width]
+
+    def widths(self, rows: list[int]) -> list[int]:
+        """Per layer, the most entries any (row, head) of ``rows`` holds (host, no device read)."""
+        if not rows:
+            return [0] * self.num_layers
+        return self.lengths_host[torch.tensor(rows)].amax(dim=(0, 2)).tolist()
+
+    # ---- decisions -------------------------------------------------------------------------------
+    def decide_prefill(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
+        """Tests every entry of each row's prompt (rows held densely: every head holds every token) with kvpress's
+        rule and keeps the survivors, in order. Returns the entries freed. One threshold pass for all rows."""
+        from kvzap_export.kernels.torch_ops import threshold_compaction
+
+        if not rows:
             return 0
-        pos = torch.arange(table.ids.shape[-1], device=table.ids.device)
-        ids = table.ids[pos < table.lengths[..., None]]
-        self._give(ids)
-        return ids.numel()
+        L, H = self.num_layers, self.num_kv_heads
+        sparse = [r for r in rows if bool((self.lengths_host[r] != self.logical.get(r, -1)).any())]
+        if sparse:
+            raise InputError(f"decide_prefill: rows {sparse} are not held densely (a prompt is decided once, whole)")
+        for r in rows:
+            self.tested[r] = max(0, self.logical[r] - window)
+        rows_dev = self._rows_tensor(rows)
+        width = int(self.lengths_host[torch.tensor(rows)].max())
+        ids = self.batch_ids(rows_dev, width).to(torch.int64)  # [B, L, H, W]
+        lengths = self.lengths[rows_dev]
+        B = len(rows)
+        rule = threshold_compaction(self.scores[ids].reshape(B * L * H, 1, width), lengths.reshape(-1), threshold, window,
+                                    sink, check_lengths=False)
+        keep = rule.keep.view(B, L, H, width)
+        indices = rule.indices.view(B, L, H, width).to(torch.int64)
+        kept_ids = torch.where(indices >= 0, ids.gather(-1, indices.clamp(min=0)), 0)
+        held = torch.arange(width, device=self.device) < lengths[..., None]
+        return self._commit(rows, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
+
+    def decide_decode(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
+        """After a decode token per row: per (layer, head), the entry that left the window (logical position
+        ``logical - window - 1``, row index ``length - window - 1``: positions not decided yet are all held) is
+        tested and, if evicted, removed. A row where no untested position left the window is skipped (a short row,
+        or no token since its last decision). Returns the entries freed."""
+        leaving = {r: self.logical.get(r, 0) - window - self.tested.get(r, 0) for r in rows}
+        if any(m > 1 for m in leaving.values()):
+            raise InputError(f"decide_decode: rows {[r for r, m in leaving.items() if m > 1]} moved more than one token "
+                             "out of the window since their last decision (decide after every decode step)")
+        rows = [r for r in rows if leaving[r] == 1]
+        if not rows:
+            return 0
+        for r in rows:
+            self.tested[r] = self.tested.get(r, 0) + 1
+        rows_dev = self._rows_tensor(rows)
+        lengths = self.lengths[rows_dev].to(torch.int64)  # [B, L, H]
+        start = lengths - window - 1
+        tail = self.ids[self._cells(rows_dev, start, window + 1)]  # [B, L, H, window + 1]
+        candidate = tail[..., 0].to(torch.int64)
+        position = torch.tensor([self.logical[r] - window - 1 for r in rows], dtype=torch.int64).to(self.device)
+        evict = (self.scores[candidate] < threshold) & (position >= sink)[:, None, None]
+        shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
+        kept = torch.where(evict[..., None], shifted, tail)
+        return self._commit(rows, rows_dev, kept, start, candidate, evict, lengths - evict.to(torch.int64))
+
+    def _commit(self, rows: list[int], rows_dev: torch.Tensor, kept: torch.Tensor, start, freed_ids: torch.Tensor,
+                freed_mask: torch.Tensor, counts: torch.Tensor) -> int:
+        """Writes a decision back: ``kept`` [B, L, H, W] into columns ``start ...`` of each row (``start`` 0 or
+        [B, L, H]), the new lengths, one push of the freed ids. Reads the new lengths back once (host mirror)."""
+        B, L, H, width = kept.shape
+        if isinstance(start, int):
+            self.ids[rows_dev, :, :, start: start + width] = kept.to(torch.int32)
+        else:
+            self.ids.index_put_(self._cells(rows_dev, start, width), kept.to(torch.int32))
+        self.lengths[rows_dev] = counts.to(torch.int32)
+        rows_host = torch.tensor(rows)
+        before = int(self.lengths_host[rows_host].sum())
+        self.lengths_host[rows_host] = counts.to("cpu", torch.int64)  # the step's one read of the device
+        freed = before - int(self.lengths_host[rows_host].sum())
+        self._give(freed_ids, freed_mask, freed)
+        return freed
+
+    # ---- releasing -------------------------------------------------------------------------------
+    def release(self, row: int) -> int:
+        """Frees every entry of row ``row`` (the request left it); returns how many. A row that holds nothing is
+        fine (a request that never ran a forward)."""
+        self.tested.pop(row, None)
+        if self.logical.pop(row, None) is None:
+            return 0
+        count = int(self.lengths_host[row].sum())
+        width = int(self.lengths_host[row].max())
+        ids = self.ids[row, :, :, :width]
+        held = torch.arange(width, device=self.device) < self.lengths[row][..., None]
+        self._give(ids, held, count)
+        self.lengths[row] = 0
+        self.lengths_host[row] = 0
+        return count
 
     def clear(self) -> None:
-        for row in list(self.rows):
+        for row in self.rows:
             self.release(row)
 
-    # ---- views -----------------------------------------------------------------------------------
-    def gather(self, row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer of one row: (ids [H, n], positions [H, n], lengths [H]) with n = the longest head; entries
-        past a head's length are -1."""
-        table = self.row(row)
-        n = int(table.lengths[layer].max())
-        return table.ids[layer, :, :n], table.positions[layer, :, :n], table.lengths[layer]
+    # ---- views (tests, readings) -----------------------------------------------------------------
+    def row_held(self, row: int) -> int:
+        """Entries row ``row`` holds (host mirror)."""
+        return int(self.lengths_host[row].sum()) if row in self.logical else 0
+
+    def row_entries(self, row: int, layer: int, head: int) -> torch.Tensor:
+        """int64 [n]: the entry ids of one (row, layer, head), in order."""
+        n = int(self.lengths_host[row, layer, head]) if row in self.logical else 0
+        return self.ids[row, layer, head, :n].to(torch.int64)

@@ -1,19 +1,30 @@
-"""Attention over per-head KV rows (the ragged layout of docs/ragged-kv.md), plain torch.
+"""Attention over per-head KV rows (the ragged layout of docs/ragged-kv.md), one call per layer for a batch.
 
-K and V live in one pool of one-head entries (``k_store``, ``v_store``: ``[E, D]``); each KV head of each
+K and V live in one pool of one-head entries, ``k_store`` [E, D] and ``v_store`` [E, Dv]; each KV head of each
 request has its own row of entry ids. Query head ``q`` reads KV head ``q // group`` (grouped-query attention
-stays exact). Computed in float32, returned in the query's dtype. A head with no entry gives zeros.
+stays exact). Lengths come from the host (the caller knows them before the forward): nothing here reads the
+device back.
 
-- ``ragged_decode_attention``: one query token per request, a batch of requests (vectorized);
-- ``ragged_extend_attention``: the query tokens of one request's prompt chunk, causal by logical positions.
+- ``decode_attention``: one query token per request, the whole batch at once, over the batch's entry ids in one
+  padded layout [B, H, W] (W: the longest row of this layer): one gather of the keys, one batched matrix product
+  for the scores, a softmax masked by each row's length, and one ``embedding_bag`` that sums the value rows
+  in place, weighted by the probabilities (values are never copied out of the pool; on this path the pool's
+  memory traffic is what costs). On CUDA tensors the Triton kernel (``triton_ragged_attention``) reads keys and
+  values in place, one launch per layer.
+- ``causal_extend_attention``: the prompts of an extend batch when nothing is cached before them (a fresh
+  prompt is dense: KVzap decides after the prefill forward): causal attention over the new K/V themselves, no
+  gather, one call (``is_causal`` when the prompts have one length, else a padding mask).
+- ``prefix_extend_attention``: an extend batch whose requests already hold entries (a prompt chunk after the
+  first): each head's held prefix entries, gathered, then the new tokens causally; one call.
 
-``triton_ragged_attention.ragged_decode_attention_triton`` is the GPU decode kernel; ``decode_attention``
-picks it on CUDA tensors (when Triton is present) and this path otherwise.
+A head with no entry gives zeros. ``ragged_decode_attention`` is the plain float32 formula of the decode
+case, written independently of the fast path (the reference the Triton kernel is tested against).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvzap_export.errors import InputError
 
@@ -30,55 +41,118 @@ def _check(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: t
     return q.shape[1] // heads
 
 
-def _attend(scores: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """softmax over the last axis of ``scores`` where ``mask`` (zeros where a row has nothing), times values."""
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: softmax is NaN -> 0
-    return weights @ values
-
-
 def ragged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
                             lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, q_heads, D]; ids: int [B, kv_heads, n] (entries past ``lengths[b, h]`` are ignored);
-    lengths: int [B, kv_heads]. Returns [B, q_heads, Dv]."""
+    """The formula, in float32: q [B, q_heads, D]; ids int [B, kv_heads, n] (entries past ``lengths[b, h]`` are
+    ignored); lengths int [B, kv_heads]. Returns [B, q_heads, Dv] in q's dtype."""
     group = _check(q, k_store, v_store, ids)
     B, Hq, D = q.shape
     H, n = ids.shape[1], ids.shape[2]
     safe = ids.clamp(min=0).to(torch.int64)
-    keys = k_store[safe].float()  # [B, H, n, D]
-    values = v_store[safe].float()
+    keys, values = k_store[safe].float(), v_store[safe].float()  # [B, H, n, D]
     mask = torch.arange(n, device=ids.device) < lengths.to(ids.device)[..., None]  # [B, H, n]
-    qg = q.float().view(B, H, group, D)
-    scores = qg @ keys.transpose(-1, -2) * scale  # [B, H, group, n]
-    out = _attend(scores, mask[:, :, None, :], values)  # [B, H, group, Dv]
-    return out.reshape(B, Hq, -1).to(q.dtype)
+    scores = q.float().view(B, H, group, D) @ keys.transpose(-1, -2) * scale  # [B, H, group, n]
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: softmax is NaN -> 0
+    return (weights @ values).reshape(B, Hq, -1).to(q.dtype)
 
 
-def ragged_extend_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
-                            positions: torch.Tensor, lengths: torch.Tensor, q_positions: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """One request: q [T, q_heads, D] at logical positions ``q_positions`` [T]; ids, positions: int
-    [kv_heads, n]; lengths: int [kv_heads]. Entry j of head h is seen by query t when
-    ``j < lengths[h]`` and ``positions[h, j] <= q_positions[t]``. Returns [T, q_heads, Dv]."""
+def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, workspace: torch.Tensor | None = None,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, q_heads, D]; k_store [E, D], v_store [E, Dv] (contiguous); ids int32/int64 [B, kv_heads, W] (padding:
+    any valid id); lengths int [B, kv_heads]. Returns [B, q_heads, Dv] in q's dtype. ``workspace``: a flat tensor of
+    the stores' dtype the key gather may reuse (at least B * kv_heads * W * D elements; a fresh allocation of
+    that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
+    besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only."""
     group = _check(q, k_store, v_store, ids)
-    T, Hq, D = q.shape
-    H, n = ids.shape
-    safe = ids.clamp(min=0).to(torch.int64)
-    keys, values = k_store[safe].float(), v_store[safe].float()  # [H, n, D]
-    held = torch.arange(n, device=ids.device) < lengths.to(ids.device)[:, None]  # [H, n]
-    causal = positions.to(ids.device)[:, None, :] <= q_positions.to(ids.device)[None, :, None]  # [H, T, n]
-    mask = (held[:, None, :] & causal)[:, None]  # [H, 1, T, n]
-    qg = q.float().view(T, H, group, D).permute(1, 2, 0, 3)  # [H, group, T, D]
-    scores = qg @ keys[:, None].transpose(-1, -2) * scale  # [H, group, T, n]
-    out = _attend(scores, mask, values[:, None])  # [H, group, T, Dv]
-    return out.permute(2, 0, 1, 3).reshape(T, Hq, -1).to(q.dtype)
-
-
-def decode_attention(q, k_store, v_store, ids, lengths, scale) -> torch.Tensor:
-    """``ragged_decode_attention`` on the CPU; the Triton kernel for CUDA tensors when Triton is installed."""
-    if q.is_cuda:
+    if q.is_cuda and visible is None:
         from kvzap_export.kernels import triton_ragged_attention as tr
 
         if tr.triton is not None:
             return tr.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
-    return ragged_decode_attention(q, k_store, v_store, ids, lengths, scale)
+    B, Hq, D = q.shape
+    H, W = ids.shape[1], ids.shape[2]
+    if W == 0:
+        return q.new_zeros(B, Hq, v_store.shape[-1])
+    rows = B * H
+    flat = ids.reshape(-1)
+    if workspace is not None and workspace.numel() >= flat.shape[0] * D:
+        keys = torch.index_select(k_store, 0, flat, out=workspace[: flat.shape[0] * D].view(-1, D))
+    else:
+        keys = k_store.index_select(0, flat)
+    scores = torch.bmm(q.reshape(rows, group, D).to(k_store.dtype), keys.view(rows, W, D).transpose(1, 2))  # [BH, G, W]
+    held = torch.arange(W, device=q.device) < lengths.to(q.device).reshape(rows, 1)  # [BH, W]
+    if visible is not None:
+        held = held & visible.reshape(rows, W)
+    scores.mul_(scale).masked_fill_(~held[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    bags = flat.view(rows, 1, W).expand(rows, group, W).reshape(-1)  # one bag of W entries per query head
+    offsets = torch.arange(0, bags.shape[0], W, device=q.device, dtype=bags.dtype)
+    out = F.embedding_bag(bags, v_store, offsets, mode="sum", per_sample_weights=weights.reshape(-1))
+    nonempty = held.any(-1, keepdim=True) if visible is not None else held[:, :1]
+    out = torch.where(nonempty.repeat_interleave(group, 0), out, 0.0)  # a head that holds nothing: zeros
+    return out.view(B, Hq, -1).to(q.dtype)
+
+
+def _padded(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """[T, heads, d] with requests of ``lens`` tokens one after the other -> [B, heads, n, d] (n = max lens)."""
+    B, n = len(lens), max(lens)
+    if all(length == n for length in lens):
+        return x.view(B, n, x.shape[1], x.shape[2]).transpose(1, 2)
+    out = x.new_zeros(B, n, x.shape[1], x.shape[2])
+    out[_token_mask(lens, x.device)] = x
+    return out.transpose(1, 2)
+
+
+def _token_mask(lens: list[int], device) -> torch.Tensor:
+    """bool [B, n]: which padded positions hold a token."""
+    return torch.arange(max(lens), device=device) < torch.tensor(lens, device=device)[:, None]
+
+
+def _unpadded(out: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """[B, heads, n, d] -> [T, heads, d]."""
+    out = out.transpose(1, 2)
+    if all(length == out.shape[1] for length in lens):
+        return out.reshape(-1, out.shape[2], out.shape[3])
+    return out[_token_mask(lens, out.device)]
+
+
+def causal_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                            scale: float) -> torch.Tensor:
+    """Fresh prompts, attended over their own K/V. q [T, q_heads, D], k [T, kv_heads, D], v [T, kv_heads, Dv],
+    requests one after the other, ``lens`` tokens each (host). Returns [T, q_heads, Dv].
+
+    Prompts of unequal length are right-padded: a real query's causal keys are all real, and what padded
+    queries compute is discarded, so ``is_causal`` is exact for every prompt."""
+    if not lens or sum(lens) != q.shape[0]:
+        raise InputError(f"causal_extend_attention: {q.shape[0]} tokens, prompts of {lens}")
+    out = F.scaled_dot_product_attention(_padded(q, lens), _padded(k, lens), _padded(v, lens), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return _unpadded(out, lens)
+
+
+def prefix_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                            prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lengths: torch.Tensor, scale: float,
+                            heads_agree: bool = False) -> torch.Tensor:
+    """Prompt chunks after entries already held. q, k, v and ``lens`` as ``causal_extend_attention``; prefix_k
+    [B, kv_heads, P, D] and prefix_v [B, kv_heads, P, Dv] each head's held entries gathered (padded),
+    ``prefix_lengths`` int [B, kv_heads];
+    ``heads_agree``: every head of a request holds as many entries (a prefix nothing pruned yet: one mask
+    serves every head). Every held entry precedes the chunk (an earlier forward appended it), so each query
+    sees all of its head's held entries, then the chunk's tokens up to itself. Returns [T, q_heads, Dv]."""
+    if not lens or sum(lens) != q.shape[0]:
+        raise InputError(f"prefix_extend_attention: {q.shape[0]} tokens, chunks of {lens}")
+    B, H, P, _ = prefix_k.shape
+    n = max(lens)
+    qp, kp, vp = _padded(q, lens), _padded(k, lens), _padded(v, lens)
+    keys = torch.cat([prefix_k, kp], dim=2)  # [B, H, P + n, D]
+    values = torch.cat([prefix_v, vp], dim=2)
+    lengths = prefix_lengths.to(q.device)[:, :1] if heads_agree else prefix_lengths.to(q.device)
+    held = torch.arange(P, device=q.device) < lengths[..., None]  # [B, H or 1, P]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat([held[:, :, None, :].expand(-1, -1, n, P), causal.expand(B, held.shape[1], n, n)], dim=-1)
+    if not heads_agree:
+        mask = mask.repeat_interleave(q.shape[1] // H, dim=1)  # [B, q_heads, n, P + n]
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _unpadded(out, lens)

@@ -5,8 +5,10 @@ K and V rows from the one-head entry pool, and keeps an online softmax (running 
 weighted values) for each of the ``GROUP`` query heads that read this KV head. Accumulation is float32; the
 output is written in the query's dtype. A head with no entry writes zeros (as the torch path).
 
-Same contract as ``ragged_attention.ragged_decode_attention``; tests/kernels compare the two under
-``TRITON_INTERPRET=1``. Never run on a GPU yet. This module imports without triton; the launcher then raises
+Same contract as ``ragged_attention.ragged_decode_attention`` (the float32 formula); tests/kernels compare the
+two under ``TRITON_INTERPRET=1``, with the stores as views of the combined pool the ragged mode keeps
+(``kv[:, :D]``, ``kv[:, D:]``: rows read in place, never copied). One launch per layer for the whole batch.
+Never run on a GPU yet. This module imports without triton; the launcher then raises
 ``MissingDependencyError``.
 """
 
@@ -77,8 +79,11 @@ def ragged_decode_attention_triton(q: torch.Tensor, k_store: torch.Tensor, v_sto
     H = ids.shape[1]
     DV = v_store.shape[-1]
     q = q.contiguous()
-    k_store, v_store = k_store.contiguous(), v_store.contiguous()
-    ids = ids.to(torch.int64).contiguous()
+    # The stores are read in place (rows may be views of one combined [E, D + Dv] pool): only each row's
+    # elements must be contiguous, never the pool copied.
+    k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
+    v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
+    ids = ids.contiguous()
     lengths = lengths.to(torch.int32).contiguous()
     out = torch.empty(B, Hq, DV, dtype=q.dtype, device=q.device)
     if B == 0:

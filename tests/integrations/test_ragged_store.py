@@ -1,4 +1,6 @@
-"""The per-head KV store against a plain Python model of it: random appends, compactions and releases."""
+"""The per-head KV store against a plain Python model of it (random batched appends, decisions, releases), and
+its batched decisions against ``RequestState`` (the engine-independent core, itself checked against kvpress in
+test_core_kvpress_parity.py): two implementations of kvpress's rule that must keep the same entries."""
 
 from __future__ import annotations
 
@@ -8,75 +10,184 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvzap_export.errors import InputError
+from kvzap_export.integrations.core import KVzapPolicy, RequestState
 from kvzap_export.integrations.ragged_store import RaggedStore, StoreFull
 
 L, H, D = 2, 3, 4
 
 
+class Model:
+    """Each (row, layer, head)'s held logical positions, in order; which position each entry id holds."""
+
+    def __init__(self):
+        self.rows: dict[int, list[list[list[int]]]] = {}
+        self.logical: dict[int, int] = {}
+
+    def append(self, store, rows, counts, new):
+        T = 0
+        for r, n in zip(rows, counts):
+            base = self.logical.get(r, 0)
+            held = self.rows.setdefault(r, [[[] for _ in range(H)] for _ in range(L)])
+            for t in range(n):
+                for layer in range(L):
+                    for head in range(H):
+                        held[layer][head].append(base + t)
+                        store.k[new[layer, head, T + t], 0] = base + t  # the entry remembers its position
+            self.logical[r] = base + n
+            T += n
+
+    def check(self, store):
+        held = sum(len(h) for rows in self.rows.values() for layer in rows for h in layer)
+        assert store.held == held and store.available == store.capacity - held
+        for r, rows in self.rows.items():
+            for layer in range(L):
+                for head in range(H):
+                    ids = store.row_entries(r, layer, head)
+                    assert store.k[ids, 0].tolist() == [float(p) for p in rows[layer][head]]
+                    assert int(store.lengths[r, layer, head]) == len(rows[layer][head])  # device == host mirror
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["append", "compact", "release"]), st.integers(0, 2), st.integers(1, 6),
-                          st.integers(0, 2**16)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(st.sampled_from(["append", "prefill", "decode", "release"]),
+                          st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True),
+                          st.integers(1, 6), st.integers(0, 2**16)), min_size=1, max_size=25))
 def test_store_matches_a_python_model_and_never_leaks(ops):
-    store = RaggedStore(400, L, H, D)
-    model: dict[int, list[list[list[int]]]] = {}  # row -> [layer][head] -> logical positions held
-    values: dict[int, int] = {}  # entry id -> the logical position written there
-    for op, row, n, seed in ops:
+    store = RaggedStore(600, L, H, D, rows=2, width=4)  # tables start small: growth is exercised
+    model = Model()
+    window = 3
+    tested: dict[int, int] = {}  # row -> positions below it decided (the engine's order of events)
+    for op, rows, n, seed in ops:
         g = torch.Generator().manual_seed(seed)
         if op == "append":
-            if store.available < n * L * H:
+            counts = [n if i % 2 == 0 else 1 for i in range(len(rows))]
+            if store.available < sum(counts) * L * H:
                 with pytest.raises(StoreFull):
-                    store.append(row, n)
+                    store.append(rows, counts)
                 continue
-            logical = store.rows[row].logical if row in store.rows else 0
-            ids = store.append(row, n)
-            rows = model.setdefault(row, [[[] for _ in range(H)] for _ in range(L)])
-            for layer in range(L):
-                for head in range(H):
-                    for t in range(n):
-                        rows[layer][head].append(logical + t)
-                        store.k[ids[layer, head, t]] = logical + t
-                        values[int(ids[layer, head, t])] = logical + t
-        elif op == "compact" and row in store.rows:
-            table = store.rows[row]
-            keep = torch.rand(L, H, table.ids.shape[-1], generator=g) < 0.5
-            keep &= torch.arange(table.ids.shape[-1]) < table.lengths[..., None]
-            counts = keep.sum(-1)
-            k = int(counts.max())
-            order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :k]
-            indices = torch.where(torch.arange(k) < counts[..., None], order, -1)
-            before = store.available
-            freed = store.compact(row, indices, counts)
-            assert store.available == before + freed
-            for layer in range(L):
-                for head in range(H):
-                    kept = indices[layer, head, : counts[layer, head]].tolist()
-                    model[row][layer][head] = [model[row][layer][head][j] for j in kept]
+            new = store.append(rows, counts)
+            store.scores[new.reshape(-1)] = torch.randn(new.numel(), generator=g)
+            model.append(store, rows, counts, new)
         elif op == "release":
-            store.release(row)
-            model.pop(row, None)
-        held = sum(len(h) for rows in model.values() for layer in rows for h in layer)
-        assert store.held == held and store.available == 400 - held
-        for r, rows in model.items():  # every (row, layer, head) lists its positions in order, with their K
-            for layer in range(L):
-                ids, positions, lengths = store.gather(r, layer)
-                for head in range(H):
-                    n_h = int(lengths[head])
-                    assert positions[head, :n_h].tolist() == rows[layer][head]
-                    assert store.k[ids[head, :n_h], 0].tolist() == [float(p) for p in rows[layer][head]]
+            for r in rows:
+                store.release(r)
+                model.rows.pop(r, None)
+                model.logical.pop(r, None)
+                tested.pop(r, None)
+        else:
+            rows = [r for r in rows if r in model.rows]
+            if op == "prefill":  # a decision over dense rows only (as the engine calls it)
+                rows = [r for r in rows if all(len(h) == model.logical[r] for layer in model.rows[r] for h in layer)]
+            before = {r: [[list(h) for h in layer] for layer in model.rows[r]] for r in rows}
+            scores = {}
+            for r in rows:
+                for layer in range(L):
+                    for head in range(H):
+                        ids = store.row_entries(r, layer, head)
+                        scores[r, layer, head] = dict(zip(model.rows[r][layer][head], store.scores[ids].tolist()))
+            if op == "decode":  # the engine decides after every decode token: never more than one leaves at once
+                rows = [r for r in rows if model.logical[r] - window - tested.get(r, 0) <= 1]
+            freed = (store.decide_prefill if op == "prefill" else store.decide_decode)(rows, 0.0, window)
+            expect = 0
+            for r in rows:
+                for layer in range(L):
+                    for head in range(H):
+                        held = before[r][layer][head]
+                        logical = model.logical[r]
+                        if op == "prefill":
+                            kept = [p for i, p in enumerate(held) if i >= len(held) - window or scores[r, layer, head][p] >= 0]
+                        elif logical - window - tested.get(r, 0) == 1:  # one untested position left the window
+                            leaving = logical - window - 1
+                            kept = [p for p in held if p != leaving or scores[r, layer, head][p] >= 0]
+                        else:
+                            kept = held
+                        expect += len(held) - len(kept)
+                        model.rows[r][layer][head] = kept
+                if op == "prefill":
+                    tested[r] = max(0, model.logical[r] - window)
+                elif model.logical[r] - window - tested.get(r, 0) == 1:
+                    tested[r] = tested.get(r, 0) + 1
+            assert freed == expect
+        model.check(store)
     store.clear()
-    assert store.available == 400 and store.rows == {}
-    assert sorted(store._free[: store.available].tolist()) == list(range(400))  # each id exactly once
+    assert store.available == store.capacity and store.rows == []
+    assert sorted(store._free[: store.available].tolist()) == list(range(store.capacity))  # each id exactly once
 
 
-def test_last_entries_are_this_forwards_tokens_and_bad_input_is_refused():
+def test_append_returns_this_forwards_entries_in_token_order_and_bad_input_is_refused():
+    store = RaggedStore(200, L, H, D)
+    first = store.append([5, 2], [3, 2])
+    assert first.shape == (L, H, 5) and len(set(first.reshape(-1).tolist())) == L * H * 5
+    rows, counts = torch.tensor([5, 2]), torch.tensor([3, 2])
+    assert torch.equal(store.last_entries(rows, counts), first)
+    for layer in range(L):
+        for head in range(H):
+            assert store.row_entries(5, layer, head).tolist() == first[layer, head, :3].tolist()
+            assert store.row_entries(2, layer, head).tolist() == first[layer, head, 3:].tolist()
+    second = store.append([2], [1])
+    assert torch.equal(store.last_entries(torch.tensor([2]), torch.tensor([1])), second)
+    assert store.widths([5, 2]) == [3, 3]
+    with pytest.raises(InputError, match="distinct rows"):
+        store.append([1, 1], [1, 1])
+    assert store.release(5) == 3 * L * H and store.release(5) == 0
+    with pytest.raises(StoreFull):
+        store.append([7], [100])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([0, 2, 6]), st.sampled_from([0, 1]), st.booleans(), st.booleans(),
+       st.integers(0, 2**16))
+def test_batched_decisions_keep_what_request_state_keeps(requests, window, sink, decoding, chunked, seed):
+    """Several requests at once: a prompt (in two chunks, decided after the last), then decode steps; the store's
+    kept positions equal ``RequestState``'s (ragged layout) in every (request, layer, head). NaN scores are kept."""
+    g = torch.Generator().manual_seed(seed)
+    policy = KVzapPolicy(threshold=0.0, window=window, sink=sink, decoding=decoding, layout="ragged")
+    store = RaggedStore(4000, L, H, D, rows=1, width=2)
+    rows = list(range(1, requests + 1))
+    states = {r: RequestState(policy, L, H) for r in rows}
+    position: dict[int, int] = {}  # entry id -> logical position
+
+    def feed(counts, prefill):
+        new = store.append(rows, counts)
+        scores = torch.randn(L, H, new.shape[-1], generator=g)
+        scores[torch.rand(scores.shape, generator=g) < 0.05] = float("nan")
+        store.scores[new.reshape(-1)] = scores.reshape(-1)
+        start = 0
+        for r, n in zip(rows, counts):
+            for t in range(n):
+                for e in new[:, :, start + t].reshape(-1).tolist():
+                    position[e] = store.logical[r] - n + t
+            chunk = scores[:, :, start: start + n]
+            if prefill is None:
+                states[r].append(chunk)
+            elif prefill:
+                states[r].prefill(chunk)
+            else:
+                states[r].decode(chunk)
+            start += n
+
+    prompt = [int(torch.randint(1, 12, (), generator=g)) for _ in rows]
+    if chunked:
+        feed([max(1, p // 2) for p in prompt], None)  # the engine appends chunks and decides after the last one
+    feed(prompt, True)
+    store.decide_prefill(rows, 0.0, window, sink)
+    for _ in range(int(torch.randint(1, 15, (), generator=g))):
+        feed([1] * len(rows), False)
+        if decoding:
+            store.decide_decode(rows, 0.0, window, sink)
+    for r in rows:
+        for layer in range(L):
+            for head in range(H):
+                mine = [position[e] for e in store.row_entries(r, layer, head).tolist()]
+                assert mine == states[r].kept_positions(layer, head).tolist(), (r, layer, head)
+
+
+def test_decode_decisions_refuse_nothing_they_cannot_see():
+    """A row no longer than the window has nothing leaving it: untouched."""
     store = RaggedStore(100, L, H, D)
-    first = store.append(5, 3)
-    second = store.append(5, 2)
-    assert torch.equal(store.last(5, 1, 2), second[1]) and torch.equal(store.last(5, 0, 5)[:, :3], first[0])
-    with pytest.raises(InputError, match="holds nothing"):
-        store.last(6, 0, 1)
-    with pytest.raises(InputError, match="do not match"):
-        store.compact(5, torch.zeros(L, H + 1, 2, dtype=torch.int64), torch.ones(L, H + 1, dtype=torch.int64))
-    with pytest.raises(InputError, match="keeps more"):
-        store.compact(5, torch.zeros(L, H, 9, dtype=torch.int64), torch.full((L, H), 9))
-    assert store.release(5) == 5 * L * H and store.release(5) == 0
+    new = store.append([1], [3])
+    store.scores[new.reshape(-1)] = -5.0
+    assert store.decide_decode([1], 0.0, window=3) == 0 and store.row_held(1) == 3 * L * H
+    new = store.append([1], [1])
+    store.scores[new.reshape(-1)] = -5.0
+    assert store.decide_decode([1], 0.0, window=3) == L * H  # position 0 left the window, scored below τ
+    assert store.row_held(1) == 3 * L * H

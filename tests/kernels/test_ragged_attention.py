@@ -1,6 +1,7 @@
-"""Attention over per-head KV rows: the torch path against a head-by-head loop written independently, and the
-Triton decode kernel against the torch path (under ``TRITON_INTERPRET=1`` on the CPU; on a GPU when one is
-present). Property tests over ragged lengths, GQA groups, empty heads and one-entry heads."""
+"""Attention over per-head KV rows: the batched paths (decode: one gather + SDPA; extend: SDPA over the new
+tokens, with or without held prefix entries) and the float32 formula against a head-by-head loop written
+independently, and the Triton decode kernel against the formula (under ``TRITON_INTERPRET=1`` on the CPU; on a
+GPU when one is present). Property tests over ragged lengths, GQA groups, empty heads and one-entry heads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvzap_export.kernels.ragged_attention import ragged_decode_attention, ragged_extend_attention
+from kvzap_export.kernels.ragged_attention import (causal_extend_attention, decode_attention, prefix_extend_attention,
+                                                    ragged_decode_attention)
 
 
 def loop_reference(q, k_store, v_store, rows, scale):
@@ -76,7 +78,8 @@ def test_triton_decode_kernel_equals_the_torch_path(case):
     q, k_store, v_store, ids, lengths, _rows = build(case)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scale = 1 / math.sqrt(q.shape[-1])
-    args = [t.to(device) for t in (q, k_store, v_store, ids, lengths)]
+    kv = torch.cat([k_store, v_store], 1).to(device)  # the ragged mode's combined pool: strided views, read in place
+    args = [q.to(device), kv[:, : k_store.shape[1]], kv[:, k_store.shape[1]:], ids.to(device), lengths.to(device)]
     got = ragged_decode_attention_triton(*args, scale).cpu()
     want = ragged_decode_attention(q, k_store, v_store, ids, lengths, scale)
     assert torch.allclose(got, want, atol=2e-6, rtol=2e-6), (got - want).abs().max()
@@ -95,28 +98,73 @@ def test_triton_decode_kernel_in_half_precision(dtype):
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(decode_case())
+def test_batched_decode_path_equals_head_by_head_attention(case):
+    """The path the CPU engine runs: one gather of K and V from the combined pool, one SDPA for the batch."""
+    q, k_store, v_store, ids, lengths, rows = build(case)
+    scale = 1 / math.sqrt(q.shape[-1])
+    padded = ids.clamp(min=0)
+    out = decode_attention(q, k_store, v_store, padded, lengths, scale)
+    reused = decode_attention(q, k_store, v_store, padded.to(torch.int32), lengths, scale,
+                              workspace=torch.full((padded.numel() * q.shape[-1] + 5,), float("nan")))
+    assert torch.equal(out, reused)  # int32 ids and a reused (dirty) workspace change nothing
+    for b in range(q.shape[0]):
+        assert torch.allclose(out[b].double(), loop_reference(q[b], k_store, v_store, rows[b], scale), atol=1e-5)
+
+
+def causal_loop(q, k, v, lens, prefixes, scale):
+    """Token by token, head by head, float64: each query sees its head's prefix entries and its own chunk up to
+    itself. prefixes: per request, per KV head, (keys [p, D], values [p, Dv])."""
+    out, start = [], 0
+    for b, n in enumerate(lens):
+        for t in range(n):
+            row = torch.zeros(q.shape[1], v.shape[2], dtype=torch.float64)
+            group = q.shape[1] // k.shape[1]
+            for head in range(q.shape[1]):
+                h = head // group
+                pk, pv = prefixes[b][h] if prefixes else (k[:0, h], v[:0, h])
+                keys = torch.cat([pk, k[start: start + t + 1, h]]).double()
+                values = torch.cat([pv, v[start: start + t + 1, h]]).double()
+                row[head] = torch.softmax(keys @ q[start + t, head].double() * scale, 0) @ values
+            out.append(row)
+        start += n
+    return torch.stack(out)
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3), st.sampled_from([1, 3]), st.integers(1, 12), st.integers(0, 2**16))
-def test_extend_is_causal_by_logical_positions(kv_heads, group, tokens, seed):
-    """A prompt chunk at logical positions p0..p0+T-1 over heads that hold different subsets of the prefix."""
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 3), st.sampled_from([1, 3]),
+       st.integers(0, 2**16))
+def test_fresh_prompts_attend_causally_over_their_own_tokens(lens, kv_heads, group, seed):
     g = torch.Generator().manual_seed(seed)
-    dim, store = 8, 64
-    prefix = int(torch.randint(0, 20, (), generator=g))
-    q = torch.randn(tokens, kv_heads * group, dim, generator=g)
-    k_store, v_store = torch.randn(store, dim, generator=g), torch.randn(store, dim, generator=g)
-    total = prefix + tokens
-    ids = torch.full((kv_heads, total), -1, dtype=torch.int64)
-    positions = torch.full((kv_heads, total), -1, dtype=torch.int64)
-    lengths, kept = [], []
-    for h in range(kv_heads):
-        keep_prefix = sorted(torch.randperm(prefix, generator=g)[: int(torch.randint(0, prefix + 1, (), generator=g))].tolist())
-        held = keep_prefix + list(range(prefix, total))  # the new tokens are in every head
-        entries = torch.randperm(store, generator=g)[: len(held)]
-        ids[h, : len(held)], positions[h, : len(held)] = entries, torch.tensor(held)
-        lengths.append(len(held))
-        kept.append(list(zip(held, entries.tolist())))
-    q_positions = torch.arange(prefix, total)
-    out = ragged_extend_attention(q, k_store, v_store, ids, positions, torch.tensor(lengths), q_positions, 0.3)
-    for t in range(tokens):
-        rows = [[e for p, e in kept[h] if p <= prefix + t] for h in range(kv_heads)]
-        assert torch.allclose(out[t].double(), loop_reference(q[t], k_store, v_store, rows, 0.3), atol=1e-5)
+    T, dim = sum(lens), 8
+    q = torch.randn(T, kv_heads * group, dim, generator=g)
+    k, v = torch.randn(T, kv_heads, dim, generator=g), torch.randn(T, kv_heads, dim, generator=g)
+    out = causal_extend_attention(q, k, v, lens, 0.3)
+    assert torch.allclose(out.double(), causal_loop(q, k, v, lens, None, 0.3), atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3), st.integers(1, 3), st.sampled_from([1, 3]),
+       st.booleans(), st.integers(0, 2**16))
+def test_chunks_attend_over_each_heads_held_prefix_then_causally(lens, kv_heads, group, agree, seed):
+    """A prompt chunk after entries each head holds (all heads the same count when ``agree``, as before any
+    decision; different subsets otherwise)."""
+    g = torch.Generator().manual_seed(seed)
+    T, dim, store = sum(lens), 8, 64
+    q = torch.randn(T, kv_heads * group, dim, generator=g)
+    k, v = torch.randn(T, kv_heads, dim, generator=g), torch.randn(T, kv_heads, dim, generator=g)
+    kv = torch.randn(store, 2 * dim, generator=g)
+    held = [[int(torch.randint(0, 12, (), generator=g)) for _ in range(kv_heads)] for _ in lens]
+    if agree:
+        held = [[row[0]] * kv_heads for row in held]
+    width = max(1, max(max(row) for row in held))
+    ids = torch.zeros(len(lens), kv_heads, width, dtype=torch.int64)
+    prefixes = []
+    for b, row in enumerate(held):
+        prefixes.append([])
+        for h, n in enumerate(row):
+            ids[b, h, :n] = torch.randperm(store, generator=g)[:n]
+            prefixes[b].append((kv[ids[b, h, :n], :dim], kv[ids[b, h, :n], dim:]))
+    out = prefix_extend_attention(q, k, v, lens, kv[ids, :dim], kv[ids, dim:], torch.tensor(held), 0.3, heads_agree=agree)
+    assert torch.allclose(out.double(), causal_loop(q, k, v, lens, prefixes, 0.3), atol=1e-5)

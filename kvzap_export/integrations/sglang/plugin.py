@@ -4,8 +4,9 @@
 processes before parsing the command line. It does nothing unless ``KVZAP_BUNDLE`` is set. Settings:
 ``KVZAP_BUNDLE`` (a bundle directory), ``KVZAP_MODE`` (evict | mask | ragged; default evict),
 ``KVZAP_DECODING`` (1 | 0; default 1: also evict while decoding, kvpress ``decoding=True``),
-``KVZAP_STATS`` (a file: allocator readings per request and step and at idle, ``stats.py``; also without a
-bundle, for a dense baseline).
+``KVZAP_THRESHOLD`` (a number: τ instead of the bundle's), ``KVZAP_STATS`` (a file: allocator readings per
+request and step and at idle, ``stats.py``; also without a bundle, for a dense baseline). The glue is written
+against one SGLang version (``api.SGLANG_VERSION``); any other stops the launch with one line.
 
 Hooks (SGLang's ``HookRegistry``):
   - BEFORE ``LlamaAttention.forward`` / ``Qwen3Attention.forward``: scores the new tokens (their
@@ -193,7 +194,63 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     else:
         from kvzap_export.integrations.sglang import ragged
 
-        ragged.register(register, kind)
+        ragged.register(register, kind, one_line)
+    if mode == "evict":
+        warning = evict_frees_nothing(bundle, policy.get("threshold"))
+        if warning:
+            log.warning(warning)
+
+
+def evict_frees_nothing(bundle, threshold=None) -> str | None:
+    """A warning when the bundle's own measurement says evict mode cannot free memory on this model.
+
+    Evict mode keeps one KV length per request (SGLang's slots hold every layer and head of a token), so a request
+    holds what its busiest (layer, head) keeps. The bundle's model level measured, on its validation prompts, the
+    entries that one length per request would hold (``kv_cache_layouts_from_counts.uniform``); where that is
+    every entry, evict mode pays for scoring and masked decode and frees nothing."""
+    import json
+    from pathlib import Path
+
+    try:
+        report = json.loads((Path(bundle) / "report" / "parity.json").read_text())
+        model = next(c for c in report["checks"] if c["name"] == "model:compacted_vs_kvpress")
+        layouts = model["detail"]["kv_cache_layouts_from_counts"]
+        uniform, ragged = layouts["uniform"]["freed_fraction"], layouts["ragged"]["freed_fraction"]
+    except (OSError, ValueError, KeyError, StopIteration, TypeError):
+        return None  # no measurement in this bundle: nothing to say
+    if uniform > 0.01:
+        return None
+    at = "" if threshold is None else f" (measured at the bundle's threshold; this server uses τ = {threshold})"
+    return (f"KVzap evict mode frees nothing on this model: on the bundle's validation prompts one KV length per "
+            f"request freed {uniform:.1%} of the entries where per-head storage freed {ragged:.1%}{at}; every request "
+            "keeps what its busiest head keeps. Use KVZAP_MODE=ragged to free memory (evict mode still gives "
+            "kvpress's tokens)")
+
+
+def check_sglang_version() -> None:
+    """The glue names SGLang internals of one release: any other stops the launch (one line, both versions)."""
+    import importlib.metadata
+
+    from kvzap_export.integrations.sglang.api import SGLANG_VERSION
+
+    try:
+        found = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return  # not an SGLang process: importing SGLang later says how to install it
+    if found != SGLANG_VERSION:
+        raise ConfigError(f"KVzap's SGLang glue is written against sglang {SGLANG_VERSION}, this process has sglang "
+                          f"{found}; install sglang=={SGLANG_VERSION} (or a kvzap-export release for {found})")
+
+
+def _threshold_from_env() -> dict:
+    raw = os.environ.get("KVZAP_THRESHOLD")
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"KVZAP_THRESHOLD={raw!r}: use a number such as -4 (a log-score threshold)") from None
+    return {"threshold": value}
 
 
 def load_plugin() -> None:
@@ -202,6 +259,10 @@ def load_plugin() -> None:
     SGLang logs and ignores an exception raised by a plugin, which would leave a server running without
     the KVzap its operator asked for; a wrong setting therefore exits the process with one line instead.
     """
+    try:
+        check_sglang_version()
+    except KvzapError as exc:
+        raise SystemExit(f"kvzap-export: {exc}") from None
     bundle = os.environ.get("KVZAP_BUNDLE")
     if not bundle:
         if os.environ.get("KVZAP_STATS"):
@@ -215,7 +276,7 @@ def load_plugin() -> None:
     try:
         if decoding not in ("1", "0", "true", "false"):
             raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
-        install(bundle, mode, decoding in ("1", "true"))
+        install(bundle, mode, decoding in ("1", "true"), **_threshold_from_env())
     except KvzapError as exc:
         raise SystemExit(f"kvzap-export: {exc}") from None
     log.info("KVzap on: bundle %s, mode %s", bundle, mode)

@@ -1,27 +1,29 @@
 """Ragged mode (``KVZAP_MODE=ragged``): every (request, layer, KV head) owns its own KV entries in SGLang.
 
-Design: docs/ragged-kv.md. In short: K/V live in a ``RaggedStore`` (one-head entries, one pool for all
-layers, heads and requests, ``N · layers · kv_heads`` entries for SGLang's ``N``-token budget); SGLang keeps
-its logical view (slot ids, ``req_to_token``, ``seq_lens``, positions), but its slots carry no K/V. Attach
-points, all SGLang extension points:
+Design: docs/ragged-kv.md. In short: K/V live in a ``RaggedStore`` (one-head entries, one pool for all layers,
+heads and requests, ``N · layers · kv_heads`` entries for SGLang's ``N``-token budget), not in SGLang's
+buffers; SGLang keeps its logical view (slot ids, ``req_to_token``, ``seq_lens``, positions), but its slots
+carry no K/V. Attach points, all SGLang extension points:
 
-- AROUND ``SRTPlatform.get_kv_pool_cls``: SGLang's pool becomes ``NoOpMHATokenToKVPool``'s placeholder
-  subclass (no dense K/V buffers are allocated);
-- AROUND ``KVCacheConfigurator._build_token_to_kv_pool_allocator``: SGLang's token allocator is a subclass
-  with ``OVERCOMMIT · N`` logical slots whose ``available_size()`` is
-  ``min(free slots, free entries // (layers · kv_heads))`` (admission control in dense-token units); it
-  owns the store;
-- ``register_attention_backend("kvzap_ragged")``: writes new K/V into the store and attends per head
-  (``kernels.ragged_attention``: torch on the CPU, the Triton decode kernel on GPUs); its constructor
-  attaches an aux cache to SGLang's request pool (``ReqToTokenPool.attach_aux_cache``), which appends entries
-  for new tokens before each forward and gives a row's entries back when SGLang releases the row.
+- AROUND ``SRTPlatform.get_kv_pool_cls``: SGLang's pool becomes a placeholder subclass of
+  ``NoOpMHATokenToKVPool`` (no dense K/V buffers are allocated);
+- AROUND ``KVCacheConfigurator._build_token_to_kv_pool_allocator``: SGLang's token allocator becomes a
+  subclass whose ``available_size()`` is the store's free entries in dense tokens (``free // (layers ·
+  kv_heads)``: admission control in dense-token units) and whose logical slot ids grow on demand, so the
+  requests admitted follow the memory KVzap freed with no ceiling of ours; it owns the store;
+- ``register_attention_backend("kvzap_ragged")``: writes each forward's new K/V into the store and attends per
+  head, one call per layer for the batch (``kernels.ragged_attention``); its constructor attaches an aux cache
+  to SGLang's request pool (``ReqToTokenPool.attach_aux_cache``), which appends each step's entries on the host
+  side before the forward and gives a row's entries back when SGLang releases the row.
 
-The step end (shared with the other modes) compacts each request's rows with kvpress's per-head decisions.
+The step end (``RaggedKVzapSGLang.on_step_end``) decides for every request of the step at once: one threshold
+pass over the prompts that ended, one over the tokens that left the window.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -33,8 +35,9 @@ from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
-OVERCOMMIT = 2  # logical slot ids per dense token of the budget: how far pruning can raise the token count
+INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row)
 _STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
+_STEP: "Step | None" = None  # the forward running now, laid out by the backend, read by the scoring hook
 
 
 def current_store() -> RaggedStore:
@@ -44,14 +47,134 @@ def current_store() -> RaggedStore:
     return _STORE
 
 
-class RaggedKVzapSGLang(KVzapSGLang):
-    """The runtime of the ragged mode: decisions compact the request's rows in the store."""
+@dataclass
+class Step:
+    """One forward's batch, laid out once before it (host lengths; nothing read back from the device).
 
-    def apply(self, batch, i, req, idx, row, decision, state) -> None:
+    rows: int64 [B] request rows; counts: new tokens per request (host); new_ids: int64 [L, H, T] this forward's
+    entries, tokens in batch order; widths: per layer, the longest row (host); ids: int64 [B, L, H, max width];
+    lengths: int [B, L, H]; prefix: entries held per (request, layer, head) before this forward's (extend with a
+    held prefix only); fresh: no request held anything before (every extend of a new prompt).
+    """
+
+    rows: torch.Tensor
+    counts: list[int]
+    new_ids: torch.Tensor
+    widths: list[int]
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    fresh: bool
+    prefix_widths: list[int]
+    prefix_agree: list[bool]
+
+
+class StoreRows:
+    """SGLang's aux-cache protocol for ``ReqToTokenPool``: grows rows before each forward (host side, the whole
+    batch at once), frees released rows."""
+
+    def __init__(self, store: RaggedStore, dense_capacity: int):
+        self.store, self.dense_capacity = store, dense_capacity
+        self.plan: tuple[list[int], list[int], torch.Tensor] | None = None  # the next forward's rows, counts, ids
+
+    def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
+        rows = [int(r) for r in req_pool_indices_cpu.tolist()]
+        targets = target_seq_lens_cpu.tolist()
+        counts = [int(t) - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
+        grow = [(r, n) for r, n in zip(rows, counts) if n > 0]
+        new = self.store.append([r for r, _ in grow], [n for _, n in grow])
+        self.plan = (rows, [max(n, 0) for n in counts], new)
+
+    def take_plan(self, batch_size: int):
+        """The rows and new entries of the forward about to run (set by ``alloc_to_lengths`` for it), once."""
+        plan, self.plan = self.plan, None
+        return plan if plan is not None and len(plan[0]) == batch_size else None
+
+    def free(self, row) -> None:
+        self.store.release(int(row))
+
+    def clear(self) -> None:
+        self.store.clear()
+        self.plan = None
+
+    def reset_allocator(self) -> None:
+        pass
+
+
+def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: torch.Tensor | None,
+               extend: bool) -> Step:
+    """The batch view of one forward from host bookkeeping: one gather of the rows' ids for every layer."""
+    rows_dev = torch.tensor(rows, dtype=torch.int64).to(store.device)
+    if new_ids is None:  # no plan from the aux cache: the rows' last entries are this forward's
+        new_ids = store.last_entries(rows_dev, torch.tensor(counts, dtype=torch.int64).to(store.device))
+    widths = store.widths(rows)
+    fresh = extend and all(store.logical.get(r, 0) == n for r, n in zip(rows, counts))
+    prefix_widths, prefix_agree = [], []
+    if extend and not fresh:
+        held = store.lengths_host[torch.tensor(rows)] - torch.tensor(counts)[:, None, None]  # [B, L, H]
+        prefix_widths = held.amax(dim=(0, 2)).tolist()
+        prefix_agree = (held.amax(-1) == held.amin(-1)).all(0).tolist()
+    return Step(rows_dev, counts, new_ids, widths, store.batch_ids(rows_dev, max(widths, default=0)),
+                store.lengths[rows_dev], fresh, prefix_widths, prefix_agree)
+
+
+class RaggedKVzapSGLang(KVzapSGLang):
+    """The runtime of the ragged mode: scores go to the store next to each entry; the step end decides for the
+    whole batch in the store."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.choices: dict[int, str] = {}  # row -> "prefill" | "decoding" for the requests KVzap prunes
+
+    def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
+        """Scores the forward's new tokens into the store, next to their entries (no slot-indexed buffer)."""
+        from kvzap_export.integrations.core import check_hidden_states
+
+        check_hidden_states(hidden_states, f"layer {layer}")
+        step = _STEP
+        if step is None or step.new_ids.shape[-1] == 0:
+            return
+        ids = step.new_ids[layer].T  # [T, H]
+        scores = self.scorer.score(layer, hidden_states.reshape(-1, hidden_states.shape[-1])[: ids.shape[0]])
         store = current_store()
-        store.compact(idx, decision.indices, decision.counts)
-        if not torch.equal(store.row(idx).lengths.to(state.counts.device), state.counts):
-            raise RuntimeError(f"ragged store rows of request row {idx} diverged from KVzap's state")  # our bug
+        store.scores.index_copy_(0, ids.reshape(-1), scores.reshape(-1).to(store.scores.dtype))
+
+    def release(self, idx: int) -> None:
+        self.choices.pop(idx, None)
+
+    def on_step_end(self, batch, chunked_req=None) -> None:
+        """Prompts that ended this step are decided; decode rows with ``decoding`` test the token that left the
+        window. Per request only host bookkeeping (its setting, its phase); the decisions are two batched calls."""
+        mode = batch.forward_mode
+        extend, decode = mode.is_extend(), mode.is_decode()
+        global _STEP
+        self.forget_finished()
+        _STEP = None
+        if not (extend or decode) or not batch.reqs:
+            return
+        prompts, decoding = [], []
+        for i, req in enumerate(batch.reqs):
+            idx = req.kv.req_pool_idx
+            if idx is None:
+                continue
+            if extend and int(batch.prefix_lens[i]) == 0:
+                choice = self._choose(req, idx)
+                if choice is not None:
+                    self.choices[idx] = choice
+            elif self.owners.get(idx) is not req:
+                # e.g. a streaming session's next turn: its cache was left alone, so it stays alone
+                self._bypass(req, idx, f"it extends a cache KVzap did not build (prefix {int(batch.prefix_lens[i])})")
+            choice = self.choices.get(idx)
+            if choice is None:
+                continue
+            if extend and req is not chunked_req:  # a prompt's last chunk: the whole prompt is decided now
+                prompts.append(idx)
+            elif decode and choice == "decoding":
+                decoding.append(idx)
+        store, p = current_store(), self.policy
+        store.decide_prefill(prompts, p.threshold, p.window, p.sink)
+        store.decide_decode(decoding, p.threshold, p.window, p.sink)
+        if self.stats is not None:
+            self.stats.record(batch, self)
 
     def pool_readings(self, idx: int | None) -> dict:
         store = _STORE
@@ -59,32 +182,17 @@ class RaggedKVzapSGLang(KVzapSGLang):
             return {}
         if idx is None:  # read from the free list
             return {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
-                    "rows": len(store.rows)}
-        table = store.rows.get(idx)
-        return {"row_head_slots": table.held() if table is not None else 0}
+                    "rows": len(store.logical), "ragged_bytes": store.nbytes()}
+        return {"row_head_slots": store.row_held(idx)}
 
-
-class StoreRows:
-    """SGLang's aux-cache protocol for ``ReqToTokenPool``: grows rows before each forward, frees released rows."""
-
-    def __init__(self, store: RaggedStore, dense_capacity: int):
-        self.store, self.dense_capacity = store, dense_capacity
-
-    def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
-        for row, target in zip(req_pool_indices_cpu.tolist(), target_seq_lens_cpu.tolist()):
-            table = self.store.rows.get(int(row))
-            new = int(target) - (table.logical if table is not None else 0)
-            if new > 0:
-                self.store.append(int(row), new)
-
-    def free(self, row) -> None:
-        self.store.release(int(row))
-
-    def clear(self) -> None:
-        self.store.clear()
-
-    def reset_allocator(self) -> None:
-        pass
+    def decided(self, idx: int) -> dict:
+        """What the decisions left in row ``idx``: the lengths of its row table (``pool_readings`` reads the pool's
+        free list, a separate count)."""
+        store = _STORE
+        if store is None or idx not in self.choices:
+            return {}
+        return {"decoding": self.choices[idx] == "decoding", "logical_length": store.logical.get(idx, 0),
+                "decided_entries": store.row_held(idx)}
 
 
 def placeholder_pool_class():
@@ -103,7 +211,8 @@ def allocator_class():
     base = sglang_module("sglang.srt.mem_cache.allocator.token").TokenToKVPoolAllocator
 
     class KVzapRaggedAllocator(base):
-        """Logical slot ids as SGLang's allocator hands them out; availability counted in the store's entries."""
+        """Logical slot ids as SGLang's allocator hands them out, grown on demand; availability counted in the
+        store's free entries, in dense tokens."""
 
         store: RaggedStore | None = None
         entries_per_token = 1
@@ -113,10 +222,20 @@ def allocator_class():
             return super().available_size()
 
         def available_size(self):
-            slots = super().available_size()
             if self.store is None:
-                return slots
-            return min(slots, self.store.available // self.entries_per_token)
+                return super().available_size()
+            return self.store.available // self.entries_per_token
+
+        def alloc(self, need_size: int):
+            short = need_size - len(self.free_pages)
+            if short > 0 and self.store is not None:
+                # Slot ids carry no K/V here: more of them cost 8 bytes each. The store's free entries are what
+                # admission checked (available_size), so the logical count is never the limit.
+                grow = max(short, self.size // 2)
+                extra = torch.arange(self.size + 1, self.size + grow + 1, dtype=torch.int64, device=self.device)
+                self.free_pages = torch.cat([self.free_pages, extra])
+                self.size += grow
+            return super().alloc(need_size)
 
     return KVzapRaggedAllocator
 
@@ -125,12 +244,6 @@ def _pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):
     if kind == "mha":
         return placeholder_pool_class()
     return original_fn(platform, *args, kind=kind, **kwargs)
-
-
-def _one_line(hook):
-    from kvzap_export.integrations.sglang.plugin import one_line
-
-    return one_line(hook)
 
 
 def _beam_hook(original_fn, coordinator, req, *args, **kwargs):
@@ -148,21 +261,23 @@ def _allocator_hook(original_fn, configurator, *args, **kwargs):
                           "attention is not plain MHA/GQA, or another plugin replaced the pool); use KVZAP_MODE=mask")
     tokens = int(kwargs["sizes"].max_total_num_tokens)
     layers, heads = int(pool.layer_num), int(pool.head_num)
-    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim),
-                        dtype=pool.store_dtype, device=pool.device)
-    allocator = allocator_class()(tokens * OVERCOMMIT, dtype=pool.store_dtype, device=pool.device, kvcache=pool,
-                                  need_sort=False)
+    requests = kwargs.get("req_to_token_pool")
+    rows = int(requests.req_to_token.shape[0]) if requests is not None else 1
+    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim), rows=rows,
+                        width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
+    allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
     allocator.store, allocator.entries_per_token = store, layers * heads
     allocator.dense_tokens = tokens
-    pool.mem_usage = store.nbytes() / (1 << 30)
+    pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
     _STORE = store
-    log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads, %.2f GB), "
-             "%d logical slots", store.capacity, tokens, layers, heads, pool.mem_usage, allocator.size)
+    log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with scores "
+             "and row tables; logical slot ids grow with what KVzap frees", store.capacity, tokens, layers, heads,
+             pool.mem_usage)
     return allocator
 
 
 def backend_class():
-    """SGLang's ``torch_native`` backend with K/V in the store and attention per head."""
+    """SGLang's ``torch_native`` backend with K/V in the store and attention per head, one call per layer."""
     base = sglang_module("sglang.srt.layers.attention.torch_native_backend").TorchNativeAttnBackend
 
     class KVzapRaggedAttnBackend(base):
@@ -176,6 +291,28 @@ def backend_class():
             requests = model_runner.req_to_token_pool
             if requests._aux_cache is None:
                 requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens))
+            self.rows = requests._aux_cache
+            self.step: Step | None = None
+            self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
+
+        def init_forward_metadata(self, forward_batch):
+            super().init_forward_metadata(forward_batch)
+            mode = forward_batch.forward_mode
+            if not (mode.is_extend() or mode.is_decode()):
+                self.step = None
+                return
+            plan = self.rows.take_plan(int(forward_batch.batch_size))
+            if plan is not None:
+                rows, counts, new_ids = plan
+            else:  # not laid out by the aux cache: read the rows (one read of the device per forward)
+                rows = [int(r) for r in forward_batch.req_pool_indices.tolist()]
+                counts = list(forward_batch.extend_seq_lens_cpu) if mode.is_extend() else [1] * len(rows)
+                new_ids = None
+            global _STEP
+            self.step = _STEP = build_step(self.store, rows, counts, new_ids, mode.is_extend())
+            need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
+            if mode.is_decode() and need > self.workspace.numel():  # one buffer for every layer's gather
+                self.workspace = torch.empty(int(need * 1.25), dtype=self.store.k.dtype, device=self.store.device)
 
         @staticmethod
         def _check_save(save_kv_cache, k) -> None:
@@ -183,58 +320,54 @@ def backend_class():
                 raise SystemExit("kvzap-export: KVzap's ragged mode needs the attention backend to store K/V; this "
                                  "model writes its KV cache itself (e.g. fused ROCm paths): use KVZAP_MODE=mask")
 
-        def _write(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            """k, v: [n, kv_heads, D] of this forward's tokens of one request -> the last n entries of each head."""
-            ids = self.store.last(row, layer, k.shape[0]).T.reshape(-1)  # [n * H] in (token, head) order
-            self.store.k[ids] = k.reshape(-1, k.shape[-1]).to(self.store.k.dtype)
-            self.store.v[ids] = v.reshape(-1, v.shape[-1]).to(self.store.v.dtype)
+        def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            """k, v: [T, kv_heads, D] of this forward's tokens -> their entries, one write per layer."""
+            ids = self.step.new_ids[layer].T.reshape(-1)  # [T * H] in (token, head) order
+            self.store.k.index_copy_(0, ids, k.reshape(ids.shape[0], -1).to(self.store.k.dtype))
+            self.store.v.index_copy_(0, ids, v.reshape(ids.shape[0], -1).to(self.store.v.dtype))
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-            from kvzap_export.kernels.ragged_attention import ragged_extend_attention
+            from kvzap_export.kernels.ragged_attention import causal_extend_attention, prefix_extend_attention
 
             hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
-            q3 = q.reshape(-1, hq, d)
-            out = q.new_empty(q3.shape[0], hq, dv)
-            rows = forward_batch.req_pool_indices.tolist()
             self._check_save(save_kv_cache, k)
-            k3, v3 = k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
-            start = 0
-            for row, prefix, n in zip(rows, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu):
-                self._write(row, layer.layer_id, k3[start: start + n], v3[start: start + n])
-                ids, positions, lengths = self.store.gather(row, layer.layer_id)
-                out[start: start + n] = ragged_extend_attention(
-                    q3[start: start + n], self.store.k, self.store.v, ids, positions, lengths,
-                    torch.arange(prefix, prefix + n, device=ids.device), layer.scaling)
-                start += n
+            q3, k3, v3 = q.reshape(-1, hq, d), k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
+            step, lid = self.step, layer.layer_id
+            self._write(lid, k3, v3)
+            if step.fresh:  # a new prompt is dense: attend over its own K/V
+                out = causal_extend_attention(q3, k3.to(q3.dtype), v3.to(q3.dtype), step.counts, layer.scaling)
+            else:  # entries held before this chunk: gathered (each head's own), then the chunk causally
+                width = step.prefix_widths[lid]
+                counts = torch.tensor(step.counts, device=q.device)
+                held = step.lengths[:, lid].to(torch.int64) - counts[:, None]
+                prefix = step.ids[:, lid, :, :width].to(torch.int64)
+                out = prefix_extend_attention(q3, k3.to(q3.dtype), v3.to(q3.dtype), step.counts,
+                                              self.store.k[prefix].to(q3.dtype), self.store.v[prefix].to(q3.dtype), held,
+                                              layer.scaling, heads_agree=step.prefix_agree[lid])
             return out.reshape(-1, hq * dv)
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             from kvzap_export.kernels.ragged_attention import decode_attention
 
             hq, hk, d, dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
-            rows = forward_batch.req_pool_indices.tolist()
             self._check_save(save_kv_cache, k)
-            k3, v3 = k.reshape(-1, hk, d), v.reshape(-1, hk, dv)
-            for b, row in enumerate(rows):
-                self._write(row, layer.layer_id, k3[b: b + 1], v3[b: b + 1])
-            views = [self.store.gather(row, layer.layer_id) for row in rows]
-            width = max(1, max(int(view[2].max()) for view in views))
-            ids = torch.full((len(rows), hk, width), -1, dtype=torch.int64, device=self.store.k.device)
-            lengths = torch.stack([view[2] for view in views])
-            for b, view in enumerate(views):
-                ids[b, :, : view[0].shape[-1]] = view[0]
-            out = decode_attention(q.reshape(-1, hq, d), self.store.k, self.store.v, ids, lengths, layer.scaling)
+            step, lid = self.step, layer.layer_id
+            self._write(lid, k.reshape(-1, hk, d), v.reshape(-1, hk, dv))
+            ids = step.ids[:, lid, :, : step.widths[lid]]
+            out = decode_attention(q.reshape(-1, hq, d), self.store.k, self.store.v, ids, step.lengths[:, lid],
+                                   layer.scaling, self.workspace)
             return out.reshape(-1, hq * dv)
 
     return KVzapRaggedAttnBackend
 
 
-def register(register_hook, kind) -> None:
-    """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process."""
+def register(register_hook, kind, one_line) -> None:
+    """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process (``one_line``: the
+    plugin's wrapper that turns a ``KvzapError`` into a one-line exit)."""
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
     register_hook(api("SRTPlatform.get_kv_pool_cls").target, _pool_class_hook, kind.AROUND)
-    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target, _one_line(_allocator_hook),
+    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target, one_line(_allocator_hook),
                   kind.AROUND)
     register_hook(api("BeamCoordinator.validate_and_init").target, _beam_hook, kind.AROUND)
     backend = backend_class()

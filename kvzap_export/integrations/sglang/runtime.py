@@ -97,6 +97,7 @@ class KVzapSGLang:
         self.setup: ServerSetup | None = None
         self.stats = None  # a stats.AllocatorReadings when KVZAP_STATS is set
         self._sized_for = None
+        self._visible: dict[int, tuple] = {}  # row -> (state, logical length, masks) cached between decisions
 
     @classmethod
     def from_bundle(cls, bundle, mode: str = "evict", decoding: bool = True, tp_size: int = 1, tp_rank: int = 0,
@@ -160,6 +161,7 @@ class KVzapSGLang:
             if req.finished() or req.kv.req_pool_idx != idx:
                 del self.owners[idx]
                 self.states.pop(idx, None)
+                self._visible.pop(idx, None)
                 if self.offsets is not None:
                     self.offsets[idx] = 0
                 self.release(idx)
@@ -172,6 +174,15 @@ class KVzapSGLang:
         has no per-head view."""
         return {}
 
+    def decided(self, idx: int) -> dict:
+        """What KVzap's decisions imply for row ``idx`` ({} when KVzap leaves it alone): its logical length, the
+        entries its state keeps, the entries kvpress's rule keeps (``stats.py``)."""
+        state = self.states.get(idx)
+        if state is None:
+            return {}
+        return {"decoding": bool(state.policy.decoding), "logical_length": state.logical_length,
+                "decided_entries": int(state.counts.sum()), "decided_rule_entries": int(state.rule_kept.sum())}
+
     def _bypass(self, req, idx: int, reason: str, warn: bool = True) -> None:
         """Leaves a request alone (its cache is never compacted, its positions never shifted); says so once."""
         if self.owners.get(idx) is not req:
@@ -182,8 +193,8 @@ class KVzapSGLang:
         if self.offsets is not None and idx < self.offsets.shape[0]:
             self.offsets[idx] = 0
 
-    def _start(self, req, idx: int, capacity: int) -> RequestState | None:
-        """A new request on row ``idx``: its state, or None when it is left alone.
+    def _choose(self, req, idx: int) -> str | None:
+        """A new request on row ``idx``: its setting (``prefill`` or ``decoding``), or None when it is left alone.
 
         A request whose ``custom_params["kvzap"]`` is not understood is aborted with a 400 (its own error),
         never raised here: an exception in the step end would stop the whole scheduler.
@@ -201,11 +212,18 @@ class KVzapSGLang:
         if reason is not None:
             self._bypass(req, idx, reason, warn=choice != "off")
             return None
+        self.owners[idx] = req
+        return choice
+
+    def _start(self, req, idx: int, capacity: int) -> RequestState | None:
+        """A new request on row ``idx``: its state, or None when it is left alone (``_choose``)."""
+        choice = self._choose(req, idx)
+        if choice is None:
+            return None
         policy = self.policy if (choice == "decoding") == self.policy.decoding else dataclasses.replace(
             self.policy, decoding=choice == "decoding")
         state = self.states[idx] = RequestState(policy, self.scorer.num_layers, self.scorer.num_kv_heads,
                                                 device=self.slots.buffer.device)
-        self.owners[idx] = req
         self._set_offset(idx, 0, capacity)
         return state
 
@@ -301,6 +319,34 @@ class KVzapSGLang:
         self._set_offset(idx, state.logical_length - keep, batch.req_to_token_pool.req_to_token.shape[0])
 
     # masking (decode attention of the mask and evict modes) ----------------------------------------
+    def batch_visibility(self, rows: list[int], width: int, device) -> torch.Tensor:
+        """bool [B, L, H, width]: ``visible`` of every layer of each request of a decode step, at once. Each
+        request's masks are cached between its decisions (``_visibility``), so a step copies one tensor per
+        request and reads nothing back."""
+        out = torch.ones(len(rows), self.scorer.num_layers, self.scorer.num_kv_heads, width, dtype=torch.bool,
+                         device=device)
+        for b, idx in enumerate(rows):
+            seen = self._visibility(idx)
+            if seen is not None:
+                n = min(seen.shape[-1], width)
+                out[b, :, :, :n] = seen[..., :n]
+        return out
+
+    def _visibility(self, idx: int) -> torch.Tensor | None:
+        """bool [L, H, n]: the entries of row ``idx`` the state has seen that attention may see (n: its logical
+        length in mask mode, its physical length in evict mode); None for a request left alone."""
+        state = self.states.get(idx)
+        if state is None:
+            return None
+        cached = self._visible.get(idx)
+        if cached is None or cached[0] is not state or cached[1] != state.logical_length:
+            if self.mode == "evict":
+                seen = state.rule_kept[..., : state.physical_length]
+            else:
+                seen = state.visible_all()
+            cached = self._visible[idx] = (state, state.logical_length, seen)
+        return cached[2]
+
     def visible(self, req_pool_idx: int, layer: int, kv_len: int) -> torch.Tensor:
         """bool [kv_heads, kv_len]: which of the request's ``kv_len`` cache entries each KV head may attend to.
 
@@ -310,14 +356,15 @@ class KVzapSGLang:
         masked: attention sees exactly kvpress's set. Entries the state has not seen yet (this step's token)
         are visible.
         """
-        out = torch.ones(self.scorer.num_kv_heads, kv_len, dtype=torch.bool)
         state = self.states.get(req_pool_idx)
+        out = torch.ones(self.scorer.num_kv_heads, kv_len, dtype=torch.bool,
+                         device=state.positions.device if state is not None else None)
         if state is None:
             return out
         if self.mode == "evict":
             seen = min(state.physical_length, kv_len)
-            out[:, :seen] = state.rule_kept[layer][:, :seen].cpu()
+            out[:, :seen] = state.rule_kept[layer][:, :seen]
         else:
             seen = min(state.logical_length, kv_len)
-            out[:, :seen] = state.visible(layer)[:, :seen].cpu()
+            out[:, :seen] = state.visible(layer)[:, :seen]
         return out

@@ -65,15 +65,11 @@ class AllocatorReadings:
             idx = req.kv.req_pool_idx
             if idx is None:
                 continue
-            state = rt.states.get(idx) if rt is not None else None
+            decided = rt.decided(idx) if rt is not None else {}
             line = {"rid": req.rid, "t": now, "forward": forward, "mode": rt.mode if rt is not None else "dense",
-                    "kvzap": state is not None, "decoding": bool(state.policy.decoding) if state is not None else None,
+                    "kvzap": bool(decided), "decoding": decided.pop("decoding", None),
                     "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
-                    "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool}
-            if state is not None:
-                line["logical_length"] = state.logical_length
-                line["decided_entries"] = int(state.counts.sum())
-                line["decided_rule_entries"] = int(state.rule_kept.sum())
+                    "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool, **decided}
             if rt is not None:
                 line.update(rt.pool_readings(idx))
             lines.append(line)

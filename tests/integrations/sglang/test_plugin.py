@@ -19,7 +19,7 @@ from kvzap_export.integrations.sglang import plugin
 def clean(monkeypatch):
     monkeypatch.setattr(plugin, "_CONFIG", None)
     monkeypatch.setattr(plugin, "_RUNTIME", None)
-    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS"):
+    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS", "KVZAP_THRESHOLD"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -40,6 +40,7 @@ def test_plugin_is_off_without_a_bundle(clean):
     ({"KVZAP_BUNDLE": "{tmp}"}, "no manifest.json"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_DECODING": "yes"}, "KVZAP_DECODING='yes'"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "drop"}, "KVZAP_MODE='drop'"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_THRESHOLD": "low"}, "KVZAP_THRESHOLD='low'"),
 ])
 def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean, monkeypatch, tmp_path, env, named):
     """SGLang logs and ignores a plugin's exception; SystemExit is not an Exception, so the launch stops."""
@@ -50,6 +51,41 @@ def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean,
     message = str(info.value.code)
     assert message.startswith("kvzap-export: ") and named in message and "\n" not in message
     assert plugin._CONFIG is None
+
+
+@pytest.mark.parametrize("bundle", [None, "{tmp}"])
+def test_another_sglang_version_stops_the_launch_naming_both(clean, monkeypatch, tmp_path, bundle):
+    """The glue names SGLang internals of one release; any other version stops every process at plugin load,
+    with KVzap on or off (the readings-only baseline also hooks SGLang)."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.24" if name == "sglang" else real(name))
+    if bundle:
+        monkeypatch.setenv("KVZAP_BUNDLE", bundle.format(tmp=tmp_path))
+    with pytest.raises(SystemExit) as info:
+        plugin.load_plugin()
+    message = str(info.value.code)
+    assert message == ("kvzap-export: KVzap's SGLang glue is written against sglang 0.5.23, this process has sglang "
+                       "0.5.24; install sglang==0.5.23 (or a kvzap-export release for 0.5.24)")
+
+
+def test_evict_mode_says_at_launch_when_one_length_per_request_frees_nothing(tmp_path):
+    """The bundle's model level measured what one KV length per request frees; 0% gives a warning naming both
+    layouts' figures, a layout that frees memory gives none, a bundle without the measurement gives none."""
+    import json
+
+    def report(uniform):
+        layouts = {"uniform": {"freed_fraction": uniform}, "ragged": {"freed_fraction": 0.41}}
+        check = {"name": "model:compacted_vs_kvpress", "detail": {"kv_cache_layouts_from_counts": layouts}}
+        (tmp_path / "report").mkdir(exist_ok=True)
+        (tmp_path / "report" / "parity.json").write_text(json.dumps({"checks": [check]}))
+
+    assert plugin.evict_frees_nothing(tmp_path) is None
+    report(0.0)
+    line = plugin.evict_frees_nothing(tmp_path)
+    assert "frees nothing" in line and "freed 0.0%" in line and "freed 41.0%" in line and "KVZAP_MODE=ragged" in line
+    assert "τ = -2.5" in plugin.evict_frees_nothing(tmp_path, -2.5)
+    report(0.2)
+    assert plugin.evict_frees_nothing(tmp_path) is None
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
-from kvzap_export.integrations.sglang.masking import decode_block_masks, masked_decode
+from kvzap_export.integrations.sglang.masking import decode_block_masks, decode_view
+from kvzap_export.kernels.ragged_attention import decode_attention
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang, request_choice
 from kvzap_export.integrations.sglang.server_setup import ServerSetup
 from tests.integrations.glue_shapes import DIM, HIDDEN, KV_HEADS, LAYERS, WINDOW, mode
@@ -216,7 +217,7 @@ def per_head_reference(q, k, v, visible):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("kvzap_mode", ["mask", "evict"])
 def test_masking_backends_attend_to_exactly_kvpress_set(surrogate, kvzap_mode):
-    """Both decode paths (native SDPA with a per-head mask, flex with a block mask) equal per-head attention
+    """Both decode paths (native: the batched decode attention with per-head masks; flex: a block mask) equal per-head attention
     over the entries kvpress keeps; in evict mode the cache rows are physical (uniform count, extras masked)."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -242,8 +243,16 @@ def test_masking_backends_attend_to_exactly_kvpress_set(surrogate, kvzap_mode):
     k, v = torch.randn(KV_HEADS, kv_len, DIM, generator=g), torch.randn(KV_HEADS, kv_len, DIM, generator=g)
     expected = per_head_reference(q, k, v, visible)
     slots = torch.arange(kv_len)
-    native = masked_decode(q[None], k.transpose(0, 1), v.transpose(0, 1), [slots], [visible], DIM ** -0.5)[0]
-    assert torch.allclose(native, expected, atol=1e-5)
+    # The native backend's path: SGLang's slot-major buffers seen as one-head entries, the step's masks
+    # laid out for every layer at once (batch_visibility), one decode_attention call.
+    req_to_token = torch.zeros(4, kv_len, dtype=torch.int32)
+    req_to_token[2] = slots
+    ids, lengths, batch_visible = decode_view(runtime, req_to_token, [2], [kv_len], KV_HEADS, "cpu")
+    assert torch.equal(batch_visible[0, 1], visible)
+    k_buffer, v_buffer = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [slots, H, D]
+    batched = decode_attention(q[None], k_buffer.view(-1, DIM), v_buffer.view(-1, DIM), ids, lengths, DIM ** -0.5,
+                               visible=batch_visible[:, 1])[0]
+    assert torch.allclose(batched, expected, atol=1e-5)
     layer = SimpleNamespace(layer_id=1, tp_q_head_num=q_heads, tp_k_head_num=KV_HEADS)
     fb = SimpleNamespace(req_pool_indices=torch.tensor([2]), seq_lens=torch.tensor([kv_len]))
     (mask,) = decode_block_masks(runtime, layer, fb, "cpu")
