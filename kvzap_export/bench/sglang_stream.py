@@ -1,23 +1,28 @@
-"""SGLang at a fixed KV budget: dense vs KVzap's evict mode vs its ragged (per-head) mode, one run.
+"""SGLang at a fixed KV budget: dense vs KVzap's evict mode vs its ragged (per-head) mode, interleaved rounds.
 
-Each mode launches a real ``sglang.Engine`` (the engine environment's Python; ``integrations/sglang/driver``)
-with the same KV budget (``--max-total-tokens``) and submits the same stream of requests at once (distinct
-prompts of ``prompt_tokens`` tokens, ``new_tokens`` greedy tokens each). Every figure comes from the
-scheduler's own step-end readings (``KVZAP_STATS``): how many requests SGLang ran at once, the KV held
-(SGLang's allocator; in ragged mode the per-head pool's free list), and the step times. Dense is SGLang
-without KVzap (readings only).
+Each run launches a real ``sglang.Engine`` (the engine environment's Python; ``integrations/sglang/driver``) with
+the same KV budget (``--max-total-tokens``) and server flags, and submits the same stream of requests at once
+(distinct prompts of ``prompt_tokens`` tokens, ``new_tokens`` greedy tokens each, ``ignore_eos``). Rounds
+interleave the configurations (dense, evict, ragged[, ragged at a second threshold], dense, ...), so that a
+slow period of the machine hits every configuration alike; every figure is given as the median over rounds with
+its spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on the fastest attention backend
+that runs here: each candidate serves a short probe stream first, and the faster one is the baseline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+from kvzap_export.bench.stream_figures import compare, run_figures, summarize
+
 MODES = ("dense", "evict", "ragged")
+CPU_DENSE_BACKENDS = ("torch_native", "flex_attention")  # SGLang's attention backends that run on a CPU here
 
 
 def stream_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
@@ -31,70 +36,96 @@ def stream_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
     return [ids[i * step: i * step + tokens] for i in range(count)]
 
 
-def summarize_mode(result: dict) -> dict:
-    """Figures of one mode from the driver's stream result (readings of the scheduler process)."""
-    steps = [r for r in result["readings"] if r.get("event") != "idle"]
-    by_time: dict[float, list[dict]] = {}
-    for line in steps:
-        by_time.setdefault(line["t"], []).append(line)
-    times = sorted(by_time)
-    # The most requests running at once: the largest decode batch (every running request decodes each step).
-    most = max((len(by_time[t]) for t in times if by_time[t][0]["forward"] == "decode"), default=0)
-    # A decode step's time: from the previous step end to its own; at saturation, ``most`` requests ran in it.
-    intervals = [b - a for a, b in zip(times, times[1:])
-                 if by_time[b][0]["forward"] == "decode" and by_time[a][0]["forward"] == "decode" and len(by_time[b]) == most]
-    first = {}
-    for line in steps:  # the request's first step end: its prompt's KV, after KVzap's prefill decision
-        first.setdefault(line["rid"], line)
-    layers, heads = steps[0]["layers"], steps[0]["kv_heads"]
-    if "row_head_slots" in steps[0]:
-        held = [line["row_head_slots"] for line in first.values()]
-        pool_peak = max(line["head_slots_held"] for line in steps)
-        pool = steps[0]["head_slots_pool"]
-    else:
-        held = [line["row_slots"] * layers * heads for line in first.values()]
-        pool_peak = max(line["slots_held"] for line in steps) * layers * heads
-        pool = steps[0]["pool_slots"] * layers * heads
-    out_tokens = sum(len(r["output_ids"]) for r in result["stream"])
-    step_s = statistics.median(intervals) if intervals else None
-    return {"requests": len(result["stream"]), "max_running": most, "kv_held_after_prefill": statistics.mean(held),
-            "kv_pool_entries": pool, "kv_peak_entries": pool_peak,
-            "decode_step_s_at_saturation": step_s, "tokens_per_s_at_saturation": most / step_s if step_s else None,
-            "time_per_output_token_s": step_s, "wall_s": result["wall_seconds"],
-            "tokens_per_s_overall": out_tokens / result["wall_seconds"], "launch_s": result["engine"]["launch_seconds"]}
+def run_stream(python: str, spec: dict) -> dict:
+    """One engine launch serving ``spec``'s stream (the driver's result)."""
+    with tempfile.TemporaryDirectory(prefix="kvzap-bench-sglang-") as tmp:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        done = subprocess.run([python, "-m", "kvzap_export.integrations.sglang.driver", str(Path(tmp) / "spec.json"),
+                               str(Path(tmp) / "out.json")], capture_output=True, text=True,
+                              env={**os.environ, "SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", "1")})
+        if done.returncode != 0:
+            raise RuntimeError(f"SGLang {spec['mode']} run failed:\n{done.stderr[-3000:]}")
+        return json.loads((Path(tmp) / "out.json").read_text())
 
 
-def bench_sglang(bundle: str, model: str, python: str, requests: int = 24, prompt_tokens: int = 1024, new_tokens: int = 32,
-                 pool_tokens: int | None = None, modes: tuple[str, ...] = MODES, on_mode=None) -> list[dict]:
-    """One row per mode (see the module docstring); ``pool_tokens`` defaults to 8 requests' worth."""
-    from transformers import AutoTokenizer
+class StreamBench:
+    """The benchmark's settings and the runs it made (see the module docstring)."""
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = stream_prompts(tokenizer, requests, prompt_tokens)
-    pool_tokens = pool_tokens or 8 * (prompt_tokens + new_tokens)
-    rows = []
-    for mode in modes:
-        spec = {"model": str(Path(model).absolute()), "bundle": str(Path(bundle).absolute()), "mode": mode,
-                "stream": [{"input_ids": p, "max_new_tokens": new_tokens, "kvzap": "decoding"} for p in prompts],
-                "engine": {"max_total_tokens": pool_tokens, "max_running_requests": requests,
-                           "context_length": prompt_tokens + new_tokens + 16}}
-        with tempfile.TemporaryDirectory(prefix="kvzap-bench-sglang-") as tmp:
-            (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-            done = subprocess.run([python, "-m", "kvzap_export.integrations.sglang.driver", str(Path(tmp) / "spec.json"),
-                                   str(Path(tmp) / "out.json")], capture_output=True, text=True,
-                                  env={**os.environ, "SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", "1")})
-            if done.returncode != 0:
-                raise RuntimeError(f"SGLang {mode} run failed:\n{done.stderr[-3000:]}")
-            result = json.loads((Path(tmp) / "out.json").read_text())
-        row = {"benchmark": "sglang_stream", "mode": mode, "pool_tokens": pool_tokens, "prompt_tokens": prompt_tokens,
-               "new_tokens": new_tokens, **summarize_mode(result)}
-        rows.append(row)
-        if on_mode:
-            on_mode(row)
-    dense = next((r for r in rows if r["mode"] == "dense"), None)
-    if dense:
-        for row in rows:
-            row["running_vs_dense"] = row["max_running"] / dense["max_running"]
-            if row["tokens_per_s_at_saturation"] and dense["tokens_per_s_at_saturation"]:
-                row["throughput_vs_dense"] = row["tokens_per_s_at_saturation"] / dense["tokens_per_s_at_saturation"]
-    return rows
+    def __init__(self, bundle: str, model: str, python: str, requests: int = 32, prompt_tokens: int = 1024,
+                 new_tokens: int = 96, pool_tokens: int | None = None, engine: dict | None = None):
+        from transformers import AutoTokenizer
+
+        self.bundle, self.model, self.python = str(Path(bundle).absolute()), str(Path(model).absolute()), python
+        self.requests, self.prompt_tokens, self.new_tokens = requests, prompt_tokens, new_tokens
+        self.pool_tokens = pool_tokens or 8 * (prompt_tokens + new_tokens)
+        self.prompts = stream_prompts(AutoTokenizer.from_pretrained(model), requests, prompt_tokens)
+        self.engine = {"max_total_tokens": self.pool_tokens, "max_running_requests": requests,
+                       "context_length": prompt_tokens + new_tokens + 16, **(engine or {})}
+
+    def spec(self, mode: str, threshold: float | None = None, backend: str | None = None, requests: int | None = None,
+             new_tokens: int | None = None) -> dict:
+        prompts = self.prompts[: requests or self.requests]
+        engine = dict(self.engine, **({"attention_backend": backend} if backend else {}))
+        return {"model": self.model, "bundle": self.bundle, "mode": mode, "threshold": threshold, "engine": engine,
+                "stream": [{"input_ids": p, "max_new_tokens": new_tokens or self.new_tokens, "kvzap": "decoding"}
+                           for p in prompts]}
+
+    def provenance(self) -> dict:
+        """What fixes the figures: the prompts (hash of their ids), the bundle's surrogate and pruning settings."""
+        manifest = json.loads((Path(self.bundle) / "manifest.json").read_text())
+        digest = hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest()
+        return {"prompts_sha256": digest, "prompt_source": "pydoc_data.topics of this Python",
+                "surrogate": {k: manifest["surrogate"].get(k) for k in ("variant", "source", "sha256")},
+                "pruning": manifest.get("pruning")}
+
+    def probe_dense(self, candidates: tuple[str, ...], on_event=None) -> dict:
+        """Each dense backend serves the first 8 requests with 32 new tokens; the faster is the baseline."""
+        found = {}
+        for backend in candidates:
+            try:
+                figures = run_figures(run_stream(self.python, self.spec("dense", backend=backend, requests=min(8, self.requests),
+                                                                        new_tokens=min(32, self.new_tokens))))
+                found[backend] = {"tokens_per_s": figures["tokens_per_s"], "wall_s": figures["wall_s"]}
+            except RuntimeError as exc:
+                found[backend] = {"error": str(exc).splitlines()[-1][:300]}
+            if on_event:
+                on_event(f"dense backend probe: {backend}: " + (f"{found[backend]['tokens_per_s']:.2f} tokens/s"
+                                                                if "tokens_per_s" in found[backend] else "failed"))
+        usable = {b: f for b, f in found.items() if "tokens_per_s" in f}
+        if not usable:
+            raise RuntimeError(f"no dense attention backend ran: {found}")
+        return {"candidates": found, "chosen": max(usable, key=lambda b: usable[b]["tokens_per_s"]),
+                "probe": {"requests": min(8, self.requests), "new_tokens": min(32, self.new_tokens)}}
+
+
+def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, prompt_tokens: int = 1024, new_tokens: int = 96,
+                 pool_tokens: int | None = None, rounds: int = 3, threshold: float | None = None,
+                 dense_backends: tuple[str, ...] = CPU_DENSE_BACKENDS, engine: dict | None = None,
+                 on_event=None) -> dict:
+    """Interleaved rounds of every configuration; returns the settings, each run's figures, the medians with
+    spread per configuration and the comparisons with dense (``stream_figures.summarize`` / ``compare``)."""
+    bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine)
+    dense = (bench.probe_dense(dense_backends, on_event) if len(dense_backends) > 1
+             else {"candidates": {}, "chosen": dense_backends[0], "probe": None})
+    configs = [("dense", "dense", None, dense["chosen"]), ("evict", "evict", None, None), ("ragged", "ragged", None, None)]
+    if threshold is not None:
+        configs.append((f"ragged τ={threshold:g}", "ragged", threshold, None))
+    runs, started = [], time.perf_counter()
+    total = rounds * len(configs)
+    for number in range(1, rounds + 1):
+        for label, mode, tau, backend in configs:
+            result = run_stream(python, bench.spec(mode, tau, backend))
+            figures = run_figures(result)
+            runs.append({"round": number, "label": label, "mode": mode, "threshold": tau, "attention_backend":
+                         result["engine"]["args"].get("attention_backend"), "figures": figures})
+            if on_event:
+                elapsed = time.perf_counter() - started
+                eta = elapsed / len(runs) * (total - len(runs))
+                on_event(f"[{len(runs)}/{total}] round {number}, {label}: {figures['tokens_per_s']:.2f} output tokens/s, "
+                         f"{figures['max_running']} running at most, wall {figures['wall_s']:.0f} s "
+                         f"(elapsed {elapsed:.0f} s, about {eta:.0f} s left)")
+    summary = summarize(runs)
+    return {"settings": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                         "pool_tokens": bench.pool_tokens, "rounds": rounds, "second_threshold": threshold,
+                         "engine_args": bench.engine, **bench.provenance()},
+            "dense_backend": dense, "runs": runs, "summary": summary, "vs_dense": compare(summary, runs)}

@@ -34,31 +34,43 @@ def _table(title: str, rows: list[dict]):
 @click.option("--only", default=",".join(SUITES), show_default=True, help="Comma-separated suites to run.")
 @click.option("--engine", type=click.Choice(["sglang"]), default=None,
               help="Instead of the suites: a serving engine at a fixed KV budget, dense vs KVzap's evict and ragged "
-                   "modes, one stream of requests each (needs --bundle, --model and the engine's Python).")
+                   "modes in interleaved rounds, one stream of requests each (needs --bundle, --model and the "
+                   "engine's Python).")
 @click.option("--bundle", default=None, type=click.Path(), help="With --engine: the KVzap bundle.")
 @click.option("--model", default=None, type=click.Path(), help="With --engine: the HF model directory the engine serves.")
 @click.option("--engine-python", default=None, envvar="KVZAP_SGLANG_PYTHON", metavar="PATH",
               help="With --engine: the engine environment's Python (default $KVZAP_SGLANG_PYTHON).")
-@click.option("--requests", default=24, show_default=True, type=int, help="With --engine: requests in the stream.")
+@click.option("--requests", default=32, show_default=True, type=int, help="With --engine: requests in the stream.")
 @click.option("--prompt-tokens", default=1024, show_default=True, type=int, help="With --engine: tokens per prompt.")
-@click.option("--new-tokens", default=32, show_default=True, type=int, help="With --engine: greedy tokens per request.")
+@click.option("--new-tokens", default=96, show_default=True, type=int, help="With --engine: greedy tokens per request.")
 @click.option("--pool-tokens", default=None, type=int,
               help="With --engine: the KV budget in dense tokens (--max-total-tokens); default 8 requests' worth.")
+@click.option("--rounds", default=3, show_default=True, type=int,
+              help="With --engine: interleaved rounds (dense, evict, ragged, ...); figures are medians over them.")
+@click.option("--threshold", default=None, type=float,
+              help="With --engine: also run ragged mode at this second threshold τ (a harsher one prunes more).")
+@click.option("--dense-backend", default="auto", show_default=True,
+              help="With --engine: SGLang's attention backend for the dense baseline; 'auto' probes torch_native and "
+                   "flex_attention on a short stream and keeps the faster.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
-          as_json: bool) -> None:
+          rounds, threshold, dense_backend, as_json: bool) -> None:
     """Benchmark KVzap: surrogate scoring (ORT vs torch eager vs torch.compile), threshold compaction at
     4k/32k/128k tokens, overhead vs one attention block (Llama-3.1-8B shapes), and end to end on the
     embedded model (kvpress masking vs our physically compacted cache). Ratios come from one run.
 
     \b
-    --engine sglang: SGLang at one KV budget, dense vs evict vs ragged: requests running at once, KV held
-    after prefill, tokens/s at saturation, time per output token (read from the scheduler's own step ends).
+    --engine sglang: SGLang at one KV budget, dense (its fastest attention backend here) vs evict vs ragged,
+    interleaved rounds: output tokens/s and requests/s over the whole stream, TTFT and inter-token latency
+    p50/p90, most requests running at once, K/V held after a prompt and at the peak, memory freed at each
+    request's peak, bytes of every buffer, decode step per batch size, prefill time; medians [min-max] over
+    rounds, ratios against dense (read from the scheduler's own step ends).
     """
     if engine is not None:
         from kvzap_export.cli.engine_bench import run_engine_bench
 
-        run_engine_bench(bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens, as_json)
+        run_engine_bench(bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
+                         dense_backend, as_json)
         return
     import torch
 

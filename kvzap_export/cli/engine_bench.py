@@ -1,4 +1,4 @@
-"""``bench --engine sglang``: the engine stream benchmark, printed as a table or JSON."""
+"""``bench --engine sglang``: the engine stream benchmark (interleaved rounds), printed as tables or JSON."""
 
 from __future__ import annotations
 
@@ -8,37 +8,82 @@ import json
 import click
 
 
-def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, as_json) -> None:
+def _fmt(spread: dict, digits: int = 3) -> str:
+    """median [min–max] of the rounds."""
+    if spread["median"] is None:
+        return "–"
+    value = lambda v: f"{v:.{digits}g}"  # noqa: E731
+    if spread["n"] < 2 or spread["min"] == spread["max"]:
+        return value(spread["median"])
+    return f"{value(spread['median'])} [{value(spread['min'])}–{value(spread['max'])}]"
+
+
+ROWS = (("output tokens/s (whole stream)", "tokens_per_s"), ("requests/s", "requests_per_s"),
+        ("TTFT p50 / p90 (s)", ("ttft_p50_s", "ttft_p90_s")), ("inter-token p50 / p90 (s)", ("itl_p50_s", "itl_p90_s")),
+        ("most running at once", "max_running"), ("K/V entries after a prompt", "kv_held_after_prefill"),
+        ("K/V entries at the peak", "kv_peak_entries"), ("freed at each request's peak", "freed_at_peak"),
+        ("prefill s per 1k prompt tokens", "prefill_s_per_1k_tokens"), ("wall (s)", "wall_s"))
+
+
+def _tables(report: dict):
+    """Two tables, configurations as columns: the figures (median [min–max] over rounds), then the ratios."""
+    from rich.table import Table
+
+    summary, versus = report["summary"], report["vs_dense"]
+    figures = Table(title="SGLang stream: medians over rounds [min–max]")
+    figures.add_column("figure")
+    for label in summary:
+        figures.add_column(label, overflow="fold")
+    for name, key in ROWS:
+        keys = key if isinstance(key, tuple) else (key,)
+        figures.add_row(name, *[" / ".join(_fmt(entry[k]) for k in keys) for entry in summary.values()])
+    figures.add_row("MB allocated (every buffer)", *[f"{sum(e['bytes'].values()) / 1e6:.1f}" for e in summary.values()])
+    ratios = Table(title="against dense (medians)")
+    ratios.add_column("figure")
+    for label in versus:
+        ratios.add_column(label, overflow="fold")
+    fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    for name, key in (("output tokens/s", "tokens_per_s_ratio"), ("running at once", "running_ratio"),
+                      ("running predicted, 1 / (1 - freed)", "running_ratio_predicted"),
+                      ("running / predicted", "running_vs_predicted"), ("prefill time", "prefill_ratio")):
+        ratios.add_row(name, *[fmt(c[key]) for c in versus.values()])
+    ratios.add_row("decode step at equal batch", *[", ".join(f"{n}: {r:.2f}" for n, r in
+                                                             c["decode_step_ratio_at_equal_batch"].items()) or "–"
+                                                   for c in versus.values()])
+    return figures, ratios
+
+
+def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
+                     dense_backend, as_json) -> None:
     from kvzap_export.bench.run import SCHEMA
-    from kvzap_export.bench.sglang_stream import bench_sglang
+    from kvzap_export.bench.sglang_stream import CPU_DENSE_BACKENDS, bench_sglang
     from kvzap_export.bench.timing import machine
     from kvzap_export.errors import ConfigError
     from kvzap_export.validate.engine_level import engine_python
 
     if not bundle or not model:
         raise ConfigError("bench --engine sglang needs --bundle BUNDLE and --model DIR (kvzap-export export-model ...)")
-    for name, value in (("--requests", requests), ("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens)):
+    for name, value in (("--requests", requests), ("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens),
+                        ("--rounds", rounds)):
         if value < 1:
             raise ConfigError(f"{name} {value}: must be a positive integer")
     interpreter = engine_python(python)
-
-    def on_mode(row: dict) -> None:
-        if not as_json:
-            click.echo(f"  {row['mode']}: {row['max_running']} running at once, {row['tokens_per_s_at_saturation'] or 0:.2f} "
-                       "tokens/s at saturation", err=True)
-
-    if not as_json:
-        click.echo(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} tokens, 3 engine launches", err=True)
-    rows = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, on_mode=on_mode)
+    backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
+    configs = 3 + (threshold is not None)
+    say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
+    say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens x {new_tokens} new tokens, "
+        f"{rounds} interleaved rounds of {configs} configurations ({rounds * configs} engine launches"
+        f"{', after a dense backend probe' if len(backends) > 1 else ''})")
+    result = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
+                          backends, on_event=say)
     report = {"schema": SCHEMA, "machine": machine("cpu"), "device": "cpu", "date": datetime.date.today().isoformat(),
-              "command": "kvzap-export bench --engine sglang", "results": {"sglang_stream": rows}}
+              "command": "kvzap-export bench --engine sglang", **result}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     from rich.console import Console
 
-    from kvzap_export.cli.bench_cmd import _table
-
     console = Console()
-    console.print(f"{report['machine']} · {report['date']}")
-    console.print(_table("sglang_stream", rows))
+    console.print(f"{report['machine']} · {report['date']} · dense baseline: SGLang {report['dense_backend']['chosen']}")
+    for table in _tables(report):
+        console.print(table)

@@ -13,13 +13,15 @@ The pool, ``capacity`` entries (one entry = one token of one KV head of one laye
   (in the model's dtype: kvpress compares in it);
 - a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in.
 
-The rows, indexed by the engine's request row (SGLang's ``req_pool_idx``) and grown on demand:
+The rows: a table per request that holds entries (SGLang's ``req_pool_idx`` maps to a table slot, taken at its
+first entry and given back at its release, so the tables follow the requests held, not the engine's row count):
 
-- ``ids`` int32 [rows, L, H, width]: each (row, layer, head)'s entry ids in ascending logical positions
-  (columns past the row's length are 0, a valid id, so gathers of padding read something harmless);
-- ``lengths`` int32 [rows, L, H] on the pool's device, mirrored on the host (``lengths_host``), so that a
+- ``ids`` int32 [slots, L, H, width]: each (request, layer, head)'s entry ids in ascending logical positions
+  (columns past the row's length are 0, a valid id, so gathers of padding read something harmless); slots and
+  width double on demand (width up to the longest row held);
+- ``lengths`` int32 [slots, L, H] on the pool's device, mirrored on the host (``lengths_host``), so that a
   step's widths are known before its forward without reading the device;
-- ``logical`` (host): tokens appended per row.
+- ``logical`` (host): tokens appended per request row; ``tested`` (host): positions already decided on.
 
 Decisions follow kvpress ``DMSPress`` (DESIGN.md): strict ``score < threshold`` evicts, the last ``window``
 logical positions and the first ``sink`` are kept. ``decide_prefill`` tests every entry of a (dense) prompt;
@@ -42,7 +44,7 @@ class RaggedStore:
     """The pool and the request rows (see the module docstring)."""
 
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
-                 *, rows: int = 1, width: int = 16, dtype: torch.dtype = torch.float32,
+                 *, rows: int = 4, width: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         if capacity <= 0 or num_layers <= 0 or num_kv_heads <= 0 or head_dim <= 0 or rows <= 0 or width <= 0:
             raise InputError(f"RaggedStore needs positive sizes, got capacity={capacity}, layers={num_layers}, "
@@ -62,8 +64,10 @@ class RaggedStore:
         self.ids = torch.zeros(rows, num_layers, num_kv_heads, width, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
         self.lengths_host = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)
-        self.logical: dict[int, int] = {}  # row -> tokens appended (rows present here hold entries)
-        self.tested: dict[int, int] = {}  # row -> logical positions below this one have been decided on
+        self.slot_of: dict[int, int] = {}  # request row -> its table slot
+        self._free_slots = list(range(rows - 1, -1, -1))
+        self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
+        self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
@@ -79,7 +83,7 @@ class RaggedStore:
     @property
     def rows(self) -> list[int]:
         """Request rows that hold entries."""
-        return list(self.logical)
+        return list(self.slot_of)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of each tensor the store allocated: K, V, scores, row tables (ids, lengths), free list."""
@@ -106,31 +110,37 @@ class RaggedStore:
         self._free.index_put_((where,), ids.reshape(-1).to(torch.int32))
         self._top += count
 
-    def _ensure(self, rows: int, width: int) -> None:
-        """Grows the row tables to hold row ids < ``rows`` and ``width`` columns (doubling, copies once)."""
-        have_rows, have_width = self.ids.shape[0], self.ids.shape[-1]
-        if rows <= have_rows and width <= have_width:
+    def _ensure(self, slots: int, width: int) -> None:
+        """Grows the tables to ``slots`` slots and ``width`` columns (doubling; copies once)."""
+        have_slots, have_width = self.ids.shape[0], self.ids.shape[-1]
+        if slots <= have_slots and width <= have_width:
             return
-        new_rows = max(rows, have_rows if rows <= have_rows else 2 * have_rows)
+        new_slots = max(slots, have_slots if slots <= have_slots else 2 * have_slots)
         new_width = max(width, have_width if width <= have_width else 2 * have_width)
         L, H = self.num_layers, self.num_kv_heads
-        ids = self.ids.new_zeros(new_rows, L, H, new_width)
-        ids[:have_rows, :, :, :have_width] = self.ids
-        lengths = self.lengths.new_zeros(new_rows, L, H)
-        lengths[:have_rows] = self.lengths
-        host = self.lengths_host.new_zeros(new_rows, L, H)
-        host[:have_rows] = self.lengths_host
+        ids = self.ids.new_zeros(new_slots, L, H, new_width)
+        ids[:have_slots, :, :, :have_width] = self.ids
+        lengths = self.lengths.new_zeros(new_slots, L, H)
+        lengths[:have_slots] = self.lengths
+        host = self.lengths_host.new_zeros(new_slots, L, H)
+        host[:have_slots] = self.lengths_host
         self.ids, self.lengths, self.lengths_host = ids, lengths, host
+        self._free_slots = list(range(new_slots - 1, have_slots - 1, -1)) + self._free_slots
 
-    def _cells(self, rows: torch.Tensor, start: torch.Tensor, width: int) -> tuple:
-        """Index of columns ``start[b, l, h] ... + width`` of each (row, layer, head): for ``ids[...]``."""
+    def slots_host(self, rows: list[int]) -> torch.Tensor:
+        """The table slots of request rows that hold entries, int64 on the host (for ``lengths_host[...]``)."""
+        return torch.tensor([self.slot_of[r] for r in rows], dtype=torch.int64)
+
+    def slots(self, rows: list[int]) -> torch.Tensor:
+        """The table slots of request rows that hold entries, int64 on the pool's device (for ``ids[...]``)."""
+        return self.slots_host(rows).to(self.device)
+
+    def _cells(self, slots: torch.Tensor, start: torch.Tensor, width: int) -> tuple:
+        """Index of columns ``start[b, l, h] ... + width`` of each (slot, layer, head): for ``ids[...]``."""
         L, H = self.num_layers, self.num_kv_heads
-        return (rows[:, None, None, None], torch.arange(L, device=self.device)[None, :, None, None],
+        return (slots[:, None, None, None], torch.arange(L, device=self.device)[None, :, None, None],
                 torch.arange(H, device=self.device)[None, None, :, None],
                 start[..., None] + torch.arange(width, device=self.device))
-
-    def _rows_tensor(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
     # ---- a step's new tokens -------------------------------------------------------------------
     def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
@@ -146,47 +156,38 @@ class RaggedStore:
         total = sum(counts)
         if total == 0:
             return torch.zeros(L, H, 0, dtype=torch.int64, device=self.device)
-        new = self._take(L * H * total).view(L, H, total)
-        host = self.lengths_host
-        self._ensure(max(rows) + 1, max(int(host[r].max()) + n if r < host.shape[0] else n for r, n in zip(rows, counts)))
-        host = self.lengths_host
-        rows_host = torch.tensor(rows, dtype=torch.int64)
+        if L * H * total > self._top:
+            raise StoreFull(f"ragged KV store: {L * H * total} entries asked, {self._top} free of {self.capacity}")
+        fresh = [r for r in rows if r not in self.slot_of]
+        self._ensure(len(self.slot_of) + len(fresh), 1)
+        for r in fresh:
+            self.slot_of[r] = self._free_slots.pop()
+        slots_host = self.slots_host(rows)
         n_host = torch.tensor(counts, dtype=torch.int64)
+        self._ensure(0, int((self.lengths_host[slots_host].amax(dim=(1, 2)) + n_host).max()))  # one host read
+        new = self._take(L * H * total).view(L, H, total)
         token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host)  # [T] which request each token is
         token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host)
-        rows_dev, token_row, token_j = (t.to(self.device) for t in (rows_host, token_row, token_j))
-        columns = self.lengths[rows_dev][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
+        slots, token_row, token_j = (t.to(self.device) for t in (slots_host, token_row, token_j))
+        columns = self.lengths[slots][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
         layer = torch.arange(L, device=self.device)[:, None, None]
         head = torch.arange(H, device=self.device)[None, :, None]
-        self.ids.index_put_((rows_dev[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
-        self.lengths[rows_dev] += n_host.to(self.device, torch.int32)[:, None, None]
-        host[rows_host] += n_host[:, None, None]
+        self.ids.index_put_((slots[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
+        self.lengths[slots] += n_host.to(self.device, torch.int32)[:, None, None]
+        self.lengths_host[slots_host] += n_host[:, None, None]
         for r, n in zip(rows, counts):
             self.logical[r] = self.logical.get(r, 0) + n
         return new
 
-    def last_entries(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The ids of each row's last ``counts[b]`` entries per (layer, head): int64 [L, H, T], tokens in row
-        order (this forward's tokens when ``append`` gave them). rows, counts: int64 [B] on the device."""
-        L, H = self.num_layers, self.num_kv_heads
-        token_row = torch.repeat_interleave(torch.arange(rows.shape[0], device=self.device), counts)
-        token_j = torch.arange(token_row.shape[0], device=self.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)
-        columns = (self.lengths[rows][token_row].permute(1, 2, 0).to(torch.int64)
-                   - counts[token_row] + token_j)  # [L, H, T]
-        layer = torch.arange(L, device=self.device)[:, None, None]
-        head = torch.arange(H, device=self.device)[None, :, None]
-        return self.ids[rows[token_row][None, None, :], layer, head, columns].to(torch.int64)
-
-    def batch_ids(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """int32 [B, L, H, width]: the rows' entry ids (columns past each row's length are padding)."""
-        return self.ids[rows, :, :, :width]
+    def layer_ids(self, slots: torch.Tensor, layer: int, width: int) -> torch.Tensor:
+        """int32 [B, H, width]: one layer's entry ids of the requests in ``slots`` (padding past each row's length)."""
+        return self.ids[slots, layer, :, :width]
 
     def widths(self, rows: list[int]) -> list[int]:
         """Per layer, the most entries any (row, head) of ``rows`` holds (host, no device read)."""
         if not rows:
             return [0] * self.num_layers
-        return self.lengths_host[torch.tensor(rows)].amax(dim=(0, 2)).tolist()
+        return self.lengths_host[self.slots_host(rows)].amax(dim=(0, 2)).tolist()
 
     # ---- decisions -------------------------------------------------------------------------------
     def decide_prefill(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
@@ -197,14 +198,17 @@ class RaggedStore:
         if not rows:
             return 0
         L, H = self.num_layers, self.num_kv_heads
-        sparse = [r for r in rows if bool((self.lengths_host[r] != self.logical.get(r, -1)).any())]
-        if sparse:
-            raise InputError(f"decide_prefill: rows {sparse} are not held densely (a prompt is decided once, whole)")
+        rows_host = self.slots_host(rows)
+        logical = torch.tensor([self.logical.get(r, -1) for r in rows])
+        sparse = (self.lengths_host[rows_host] != logical[:, None, None]).flatten(1).any(1)
+        if bool(sparse.any()):
+            bad = [r for r, s in zip(rows, sparse.tolist()) if s]
+            raise InputError(f"decide_prefill: rows {bad} are not held densely (a prompt is decided once, whole)")
         for r in rows:
             self.tested[r] = max(0, self.logical[r] - window)
-        rows_dev = self._rows_tensor(rows)
-        width = int(self.lengths_host[torch.tensor(rows)].max())
-        ids = self.batch_ids(rows_dev, width).to(torch.int64)  # [B, L, H, W]
+        rows_dev = rows_host.to(self.device)
+        width = int(self.lengths_host[rows_host].max())
+        ids = self.ids[rows_dev, :, :, :width].to(torch.int64)  # [B, L, H, W]
         lengths = self.lengths[rows_dev]
         B = len(rows)
         rule = threshold_compaction(self.scores[ids].reshape(B * L * H, 1, width), lengths.reshape(-1), threshold, window,
@@ -213,7 +217,7 @@ class RaggedStore:
         indices = rule.indices.view(B, L, H, width).to(torch.int64)
         kept_ids = torch.where(indices >= 0, ids.gather(-1, indices.clamp(min=0)), 0)
         held = torch.arange(width, device=self.device) < lengths[..., None]
-        return self._commit(rows, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
+        return self._commit(rows_host, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
 
     def decide_decode(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
         """After a decode token per row: per (layer, head), the entry that left the window (logical position
@@ -229,7 +233,8 @@ class RaggedStore:
             return 0
         for r in rows:
             self.tested[r] = self.tested.get(r, 0) + 1
-        rows_dev = self._rows_tensor(rows)
+        rows_host = self.slots_host(rows)
+        rows_dev = rows_host.to(self.device)
         lengths = self.lengths[rows_dev].to(torch.int64)  # [B, L, H]
         start = lengths - window - 1
         tail = self.ids[self._cells(rows_dev, start, window + 1)]  # [B, L, H, window + 1]
@@ -238,19 +243,19 @@ class RaggedStore:
         evict = (self.scores[candidate] < threshold) & (position >= sink)[:, None, None]
         shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
         kept = torch.where(evict[..., None], shifted, tail)
-        return self._commit(rows, rows_dev, kept, start, candidate, evict, lengths - evict.to(torch.int64))
+        return self._commit(rows_host, rows_dev, kept, start, candidate, evict, lengths - evict.to(torch.int64))
 
-    def _commit(self, rows: list[int], rows_dev: torch.Tensor, kept: torch.Tensor, start, freed_ids: torch.Tensor,
+    def _commit(self, rows_host: torch.Tensor, rows_dev: torch.Tensor, kept: torch.Tensor, start, freed_ids: torch.Tensor,
                 freed_mask: torch.Tensor, counts: torch.Tensor) -> int:
         """Writes a decision back: ``kept`` [B, L, H, W] into columns ``start ...`` of each row (``start`` 0 or
-        [B, L, H]), the new lengths, one push of the freed ids. Reads the new lengths back once (host mirror)."""
+        [B, L, H]), the new lengths, one push of the freed ids. Reads the new lengths back once (host mirror).
+        rows_host / rows_dev: the rows' table slots on the host and on the device."""
         B, L, H, width = kept.shape
         if isinstance(start, int):
             self.ids[rows_dev, :, :, start: start + width] = kept.to(torch.int32)
         else:
             self.ids.index_put_(self._cells(rows_dev, start, width), kept.to(torch.int32))
         self.lengths[rows_dev] = counts.to(torch.int32)
-        rows_host = torch.tensor(rows)
         before = int(self.lengths_host[rows_host].sum())
         self.lengths_host[rows_host] = counts.to("cpu", torch.int64)  # the step's one read of the device
         freed = before - int(self.lengths_host[rows_host].sum())
@@ -262,15 +267,18 @@ class RaggedStore:
         """Frees every entry of row ``row`` (the request left it); returns how many. A row that holds nothing is
         fine (a request that never ran a forward)."""
         self.tested.pop(row, None)
-        if self.logical.pop(row, None) is None:
+        self.logical.pop(row, None)
+        slot = self.slot_of.pop(row, None)
+        if slot is None:
             return 0
-        count = int(self.lengths_host[row].sum())
-        width = int(self.lengths_host[row].max())
-        ids = self.ids[row, :, :, :width]
-        held = torch.arange(width, device=self.device) < self.lengths[row][..., None]
+        count = int(self.lengths_host[slot].sum())
+        width = int(self.lengths_host[slot].max())
+        ids = self.ids[slot, :, :, :width]
+        held = torch.arange(width, device=self.device) < self.lengths[slot][..., None]
         self._give(ids, held, count)
-        self.lengths[row] = 0
-        self.lengths_host[row] = 0
+        self.lengths[slot] = 0
+        self.lengths_host[slot] = 0
+        self._free_slots.append(slot)
         return count
 
     def clear(self) -> None:
@@ -280,9 +288,11 @@ class RaggedStore:
     # ---- views (tests, readings) -----------------------------------------------------------------
     def row_held(self, row: int) -> int:
         """Entries row ``row`` holds (host mirror)."""
-        return int(self.lengths_host[row].sum()) if row in self.logical else 0
+        return int(self.lengths_host[self.slot_of[row]].sum()) if row in self.slot_of else 0
 
     def row_entries(self, row: int, layer: int, head: int) -> torch.Tensor:
         """int64 [n]: the entry ids of one (row, layer, head), in order."""
-        n = int(self.lengths_host[row, layer, head]) if row in self.logical else 0
-        return self.ids[row, layer, head, :n].to(torch.int64)
+        if row not in self.slot_of:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        slot = self.slot_of[row]
+        return self.ids[slot, layer, head, : int(self.lengths_host[slot, layer, head])].to(torch.int64)

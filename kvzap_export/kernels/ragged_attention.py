@@ -81,60 +81,66 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
         keys = torch.index_select(k_store, 0, flat, out=workspace[: flat.shape[0] * D].view(-1, D))
     else:
         keys = k_store.index_select(0, flat)
-    scores = torch.bmm(q.reshape(rows, group, D).to(k_store.dtype), keys.view(rows, W, D).transpose(1, 2))  # [BH, G, W]
-    held = torch.arange(W, device=q.device) < lengths.to(q.device).reshape(rows, 1)  # [BH, W]
+    # Scores and softmax in float32 (as the formula): in bf16 a score near 20 is rounded by 0.125
+    scores = torch.bmm(q.reshape(rows, group, D).float(), keys.view(rows, W, D).float().transpose(1, 2))  # [BH, G, W]
+    held = torch.arange(W, device=q.device) < lengths.reshape(rows, 1)  # [BH, W] (lengths on q's device)
     if visible is not None:
         held = held & visible.reshape(rows, W)
     scores.mul_(scale).masked_fill_(~held[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     bags = flat.view(rows, 1, W).expand(rows, group, W).reshape(-1)  # one bag of W entries per query head
     offsets = torch.arange(0, bags.shape[0], W, device=q.device, dtype=bags.dtype)
-    out = F.embedding_bag(bags, v_store, offsets, mode="sum", per_sample_weights=weights.reshape(-1))
+    out = F.embedding_bag(bags, v_store, offsets, mode="sum", per_sample_weights=weights.reshape(-1).to(v_store.dtype))
     nonempty = held.any(-1, keepdim=True) if visible is not None else held[:, :1]
     out = torch.where(nonempty.repeat_interleave(group, 0), out, 0.0)  # a head that holds nothing: zeros
     return out.view(B, Hq, -1).to(q.dtype)
 
 
-def _padded(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def token_positions(lens: list[int], device=None) -> torch.Tensor | None:
+    """int64 [T]: where each of the requests' tokens (``lens`` each, one request after the other) sits in a
+    right-padded [B, max(lens)] layout; None when every request has the same length (no padding). Built once per
+    step from the host lengths, so padding needs no boolean indexing (a device read on a GPU)."""
+    n = max(lens)
+    if all(length == n for length in lens):
+        return None
+    starts = torch.arange(len(lens)) * n
+    return torch.cat([torch.arange(length) + start for length, start in zip(lens, starts.tolist())]).to(device)
+
+
+def _padded(x: torch.Tensor, lens: list[int], where: torch.Tensor | None) -> torch.Tensor:
     """[T, heads, d] with requests of ``lens`` tokens one after the other -> [B, heads, n, d] (n = max lens)."""
     B, n = len(lens), max(lens)
-    if all(length == n for length in lens):
+    if where is None:
         return x.view(B, n, x.shape[1], x.shape[2]).transpose(1, 2)
-    out = x.new_zeros(B, n, x.shape[1], x.shape[2])
-    out[_token_mask(lens, x.device)] = x
-    return out.transpose(1, 2)
+    out = x.new_zeros(B * n, x.shape[1], x.shape[2]).index_copy_(0, where, x)
+    return out.view(B, n, x.shape[1], x.shape[2]).transpose(1, 2)
 
 
-def _token_mask(lens: list[int], device) -> torch.Tensor:
-    """bool [B, n]: which padded positions hold a token."""
-    return torch.arange(max(lens), device=device) < torch.tensor(lens, device=device)[:, None]
-
-
-def _unpadded(out: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def _unpadded(out: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
     """[B, heads, n, d] -> [T, heads, d]."""
-    out = out.transpose(1, 2)
-    if all(length == out.shape[1] for length in lens):
-        return out.reshape(-1, out.shape[2], out.shape[3])
-    return out[_token_mask(lens, out.device)]
+    out = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+    return out if where is None else out.index_select(0, where)
 
 
-def causal_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                            scale: float) -> torch.Tensor:
+def causal_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float,
+                            where: torch.Tensor | None = None) -> torch.Tensor:
     """Fresh prompts, attended over their own K/V. q [T, q_heads, D], k [T, kv_heads, D], v [T, kv_heads, Dv],
-    requests one after the other, ``lens`` tokens each (host). Returns [T, q_heads, Dv].
+    requests one after the other, ``lens`` tokens each (host); ``where``: ``token_positions(lens)`` (computed here
+    when not given). Returns [T, q_heads, Dv].
 
     Prompts of unequal length are right-padded: a real query's causal keys are all real, and what padded
     queries compute is discarded, so ``is_causal`` is exact for every prompt."""
     if not lens or sum(lens) != q.shape[0]:
         raise InputError(f"causal_extend_attention: {q.shape[0]} tokens, prompts of {lens}")
-    out = F.scaled_dot_product_attention(_padded(q, lens), _padded(k, lens), _padded(v, lens), is_causal=True,
-                                         scale=scale, enable_gqa=True)
-    return _unpadded(out, lens)
+    where = where if where is not None else token_positions(lens, q.device)
+    out = F.scaled_dot_product_attention(_padded(q, lens, where), _padded(k, lens, where), _padded(v, lens, where),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return _unpadded(out, where)
 
 
 def prefix_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
                             prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lengths: torch.Tensor, scale: float,
-                            heads_agree: bool = False) -> torch.Tensor:
+                            heads_agree: bool = False, where: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt chunks after entries already held. q, k, v and ``lens`` as ``causal_extend_attention``; prefix_k
     [B, kv_heads, P, D] and prefix_v [B, kv_heads, P, Dv] each head's held entries gathered (padded),
     ``prefix_lengths`` int [B, kv_heads];
@@ -145,14 +151,15 @@ def prefix_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         raise InputError(f"prefix_extend_attention: {q.shape[0]} tokens, chunks of {lens}")
     B, H, P, _ = prefix_k.shape
     n = max(lens)
-    qp, kp, vp = _padded(q, lens), _padded(k, lens), _padded(v, lens)
+    where = where if where is not None else token_positions(lens, q.device)
+    qp, kp, vp = _padded(q, lens, where), _padded(k, lens, where), _padded(v, lens, where)
     keys = torch.cat([prefix_k, kp], dim=2)  # [B, H, P + n, D]
     values = torch.cat([prefix_v, vp], dim=2)
-    lengths = prefix_lengths.to(q.device)[:, :1] if heads_agree else prefix_lengths.to(q.device)
+    lengths = prefix_lengths[:, :1] if heads_agree else prefix_lengths
     held = torch.arange(P, device=q.device) < lengths[..., None]  # [B, H or 1, P]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     mask = torch.cat([held[:, :, None, :].expand(-1, -1, n, P), causal.expand(B, held.shape[1], n, n)], dim=-1)
     if not heads_agree:
         mask = mask.repeat_interleave(q.shape[1] // H, dim=1)  # [B, q_heads, n, P + n]
     out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _unpadded(out, lens)
+    return _unpadded(out, where)

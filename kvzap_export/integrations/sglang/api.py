@@ -1,6 +1,6 @@
 """Every SGLang 0.5.23 name the glue relies on, listed once, and the one guarded import of SGLang.
 
-tests/integrations/test_sglang_api.py checks each entry against the real ``sglang==0.5.23`` source
+tests/integrations/sglang/test_api.py checks each entry against the real ``sglang==0.5.23`` source
 (downloaded, parsed with ``ast``); the engine tests (``-m sglang``) run the glue inside that engine.
 """
 
@@ -163,7 +163,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     # ragged mode: SGLang's pool, allocator and request pool built through these
     ApiName("sglang.srt.platforms.interface", "SRTPlatform.get_kv_pool_cls", "method", ("self", "kind")),
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._build_token_to_kv_pool_allocator",
-            "method", ("self", "sizes", "token_to_kv_pool")),
+            "method", ("self", "sizes", "token_to_kv_pool", "is_dsv4_model", "req_to_token_pool")),
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "_PoolSizes.max_total_num_tokens", "field"),
     ApiName("sglang.srt.beam_search.coordinator", "BeamCoordinator.validate_and_init", "method", ("self", "req", "recv_req")),
     ApiName(_POOL, "NoOpMHATokenToKVPool", "class"),
@@ -184,6 +184,14 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.__init__", "method",
             ("self", "size", "dtype", "device", "kvcache", "need_sort")),
     ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.available_size", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.alloc", "method", ("self", "need_size")),
+    ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.free_pages", "field"),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.device", "field"),
+    ApiName(_POOL, "MHATokenToKVPool.get_kv_size_bytes", "method", ("self",)),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.init_forward_metadata", "method", ("self", "forward_batch")),
+    ApiName(_NATIVE, "TorchNativeAttnBackend.device", "field"),
+    ApiName(_FB, "ForwardBatch.batch_size", "field"),
+    ApiName(_FB, "ForwardBatch.seq_lens_cpu", "field"),
     ApiName(_FB, "ForwardBatch.extend_prefix_lens_cpu", "field"),
     ApiName(_FB, "ForwardBatch.extend_seq_lens_cpu", "field"),
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.qk_head_dim", "field"),

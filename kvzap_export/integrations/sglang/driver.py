@@ -13,10 +13,12 @@ Spec: ``{"model", "bundle", "mode", "prompts": [{"input_ids": [...]} | {"text": 
 Result: ``{"engine": {...}, "results": [{"prompt", "prompt_ids", "run", "output_ids", "reading"}, ...]}``;
 ``reading`` is the request's last line of ``stats.AllocatorReadings``.
 
-Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"?}, ...]``): every request is
-submitted at once (SGLang admits them as its memory allows), those with ``abort_after`` are aborted that many
-seconds after submission; mode ``dense`` runs SGLang without KVzap (readings only). Result: ``{"engine",
-"stream": [{"rid", "output_ids", "finish", "seconds"}], "readings": [every reading line], "wall_seconds"}``.
+Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"?}, ...]``, optional
+``"threshold"``: τ instead of the bundle's): every request is submitted at once (SGLang admits them as its
+memory allows), those with ``abort_after`` are aborted that many seconds after submission; mode ``dense`` runs
+SGLang without KVzap (readings only). Result: ``{"engine", "stream": [{"rid", "output_ids", "finish", "seconds",
+"t_submit", "t_done"}], "readings": [every reading line], "wall_seconds"}``; ``t_submit`` / ``t_done`` are wall-clock
+times (``time.time()``, the clock of the readings).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def _launch(spec: dict):
         os.environ.pop("KVZAP_BUNDLE", None)
     else:
         os.environ.update(KVZAP_BUNDLE=str(spec["bundle"]), KVZAP_MODE=spec["mode"], KVZAP_DECODING="1")
+    if spec.get("threshold") is not None:
+        os.environ["KVZAP_THRESHOLD"] = str(spec["threshold"])
+    else:
+        os.environ.pop("KVZAP_THRESHOLD", None)
     skip_other_models(spec["model"])
     import sglang
 
@@ -124,13 +130,15 @@ def stream(spec: dict) -> dict:
                 await asyncio.sleep(request["abort_after"])
                 engine.tokenizer_manager.abort_request(rid)
             asyncio.ensure_future(abort())
-        t0 = time.perf_counter()
+        t0, submitted = time.perf_counter(), time.time()
         try:
             out = await engine.async_generate(input_ids=request["input_ids"], sampling_params=params, rid=rid)
         except ValueError as exc:  # SGLang raises a request's abort message (e.g. a 400) in the caller
-            return {"rid": rid, "output_ids": [], "finish": "abort", "error": str(exc), "seconds": time.perf_counter() - t0}
+            return {"rid": rid, "output_ids": [], "finish": "abort", "error": str(exc), "seconds": time.perf_counter() - t0,
+                    "t_submit": submitted, "t_done": time.time()}
         return {"rid": rid, "output_ids": list(out.get("output_ids") or []),
-                "finish": (out["meta_info"].get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0}
+                "finish": (out["meta_info"].get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0,
+                "t_submit": submitted, "t_done": time.time()}
 
     async def everything():
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["stream"])))

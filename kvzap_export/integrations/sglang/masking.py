@@ -1,8 +1,9 @@
-"""Mask mode's attention backends: decode attends, per KV head, only to the entries kvpress keeps.
+"""Mask and evict modes' attention backends: decode attends, per KV head, only to the entries kvpress keeps.
 
-Nothing is freed (SGLang's slots hold every token); the decisions are exact kvpress semantics: the prefill
-forward is dense, decisions apply to later forwards. Two backends, registered with SGLang's
-``register_attention_backend`` when ``KVZAP_MODE=mask``:
+Mask mode frees nothing (SGLang's slots hold every token); evict mode holds one length per request, so the
+other heads' extras are masked. The decisions are exact kvpress semantics: the prefill forward is dense,
+decisions apply to later forwards. Two backends, registered with SGLang's ``register_attention_backend`` when
+``KVZAP_MODE`` is ``mask`` or ``evict``:
 
 - ``kvzap_native`` (CPU and GPU): SGLang's ``torch_native`` backend whose decode attends over the whole batch
   in one call per layer (``kernels.ragged_attention.decode_attention`` over SGLang's own K/V buffers, each
@@ -10,15 +11,17 @@ forward is dense, decisions apply to later forwards. Two backends, registered wi
   uses its KV head's row: GQA stays exact). The batch's slots and masks are laid out once per step before the
   forward, from the host (an aux cache on SGLang's request pool records the step's rows). Extends stay
   SGLang's own dense attention, as in kvpress.
-- ``kvzap_flex`` (GPU): SGLang's ``flex_attention`` backend with a per-layer, per-head ``mask_mod``.
-  flex_attention is not run on the CPU here (see docs/integrations.md); its masks are checked against
-  per-head masked attention on the CPU (tests/integrations/sglang/test_masking.py).
+- ``kvzap_flex`` (GPU): SGLang's ``flex_attention`` backend with a per-layer, per-head ``mask_mod`` (one block
+  mask per request and layer, as SGLang's flex backend takes them). It runs eagerly on the CPU engine in CI
+  (tests/integrations/sglang/test_engine.py); its masks are checked against per-head masked attention in
+  tests/integrations/sglang/test_runtime.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.sglang.api import sglang_module
 
 NATIVE_BACKEND = "kvzap_native"
@@ -46,6 +49,7 @@ class HostRows:
         self.dense_capacity = dense_capacity
         self.rows: list[int] | None = None
 
+    @counted("forward")
     def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
         self.rows = [int(r) for r in req_pool_indices_cpu.tolist()]
 
@@ -77,7 +81,13 @@ def native_backend_class(runtime):
             self.host_rows = requests._aux_cache
             self.view = None
             self.workspace = torch.empty(0)
+            pool = self.token_to_kv_pool
+            if pool.get_key_buffer(0).dim() != 3 or int(pool.size + pool.page_size) * int(pool.head_num) >= 2**31:
+                # the decode reads [slots, kv_heads, D] buffers as one-head entries slot * kv_heads + head (int32)
+                raise SystemExit("kvzap-export: KVzap's masking backend reads SGLang's K/V as [slots, kv_heads, "
+                                 "head_dim] (unset SGLANG_USE_HND_KVCACHE, or use --page-size 1)")
 
+        @counted("forward")
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             self.view = None
@@ -93,6 +103,7 @@ def native_backend_class(runtime):
             if need > self.workspace.numel():
                 self.workspace = torch.empty(int(need * 1.25), dtype=self.token_to_kv_pool.store_dtype, device=self.device)
 
+        @counted("forward")
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             from kvzap_export.kernels.ragged_attention import decode_attention
 

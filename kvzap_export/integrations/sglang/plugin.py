@@ -6,7 +6,8 @@ processes before parsing the command line. It does nothing unless ``KVZAP_BUNDLE
 ``KVZAP_DECODING`` (1 | 0; default 1: also evict while decoding, kvpress ``decoding=True``),
 ``KVZAP_THRESHOLD`` (a number: τ instead of the bundle's), ``KVZAP_STATS`` (a file: allocator readings per
 request and step and at idle, ``stats.py``; also without a bundle, for a dense baseline). The glue is written
-against one SGLang version (``api.SGLANG_VERSION``); any other stops the launch with one line.
+against one SGLang version (``api.SGLANG_VERSION``): with ``KVZAP_BUNDLE`` or ``KVZAP_STATS`` set, any other stops the
+launch with one line (unset, the plugin does nothing and SGLang runs as if it were not installed).
 
 Hooks (SGLang's ``HookRegistry``):
   - BEFORE ``LlamaAttention.forward`` / ``Qwen3Attention.forward``: scores the new tokens (their
@@ -26,6 +27,7 @@ import logging
 import os
 
 from kvzap_export.errors import ConfigError, KvzapError
+from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
 from kvzap_export.integrations.sglang.server_setup import ServerSetup
@@ -117,6 +119,9 @@ def _step_end_hook(scheduler, batch, *args, **kwargs):
     allocator = scheduler.token_to_kv_pool_allocator
     before = allocator.available_size()
     rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
+    if rt.stats is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()) and batch.reqs:
+        counts = tallies()
+        rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None)
     if allocator.available_size() > before:
         # SGLang stops admitting prefills once one did not fit (``batch_is_full``) and clears that flag only when a
         # request leaves the batch; KVzap's eviction frees memory without any request leaving, so clear it here.
@@ -259,11 +264,12 @@ def load_plugin() -> None:
     SGLang logs and ignores an exception raised by a plugin, which would leave a server running without
     the KVzap its operator asked for; a wrong setting therefore exits the process with one line instead.
     """
-    try:
-        check_sglang_version()
-    except KvzapError as exc:
-        raise SystemExit(f"kvzap-export: {exc}") from None
     bundle = os.environ.get("KVZAP_BUNDLE")
+    if bundle or os.environ.get("KVZAP_STATS"):  # only then does the plugin hook SGLang: another version may differ
+        try:
+            check_sglang_version()
+        except KvzapError as exc:
+            raise SystemExit(f"kvzap-export: {exc}") from None
     if not bundle:
         if os.environ.get("KVZAP_STATS"):
             install_readings_only()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvzap_export.errors import ConfigError
+from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
@@ -35,7 +36,8 @@ from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
-INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row)
+INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row held)
+INITIAL_ROWS = 16  # row tables to start with (doubled on demand, up to the requests held at once)
 _STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
 _STEP: "Step | None" = None  # the forward running now, laid out by the backend, read by the scoring hook
 
@@ -49,23 +51,26 @@ def current_store() -> RaggedStore:
 
 @dataclass
 class Step:
-    """One forward's batch, laid out once before it (host lengths; nothing read back from the device).
+    """One forward's batch, laid out once before it from host bookkeeping (nothing read back from the device).
 
-    rows: int64 [B] request rows; counts: new tokens per request (host); new_ids: int64 [L, H, T] this forward's
-    entries, tokens in batch order; widths: per layer, the longest row (host); ids: int64 [B, L, H, max width];
-    lengths: int [B, L, H]; prefix: entries held per (request, layer, head) before this forward's (extend with a
-    held prefix only); fresh: no request held anything before (every extend of a new prompt).
+    slots: int64 [B] the requests' table slots in the store; counts: new tokens per request (host) and
+    ``count_tensor`` the same on the device; new_ids: int64 [L, H, T] this forward's entries, tokens in batch
+    order; widths: per layer, the longest row (host); lengths: int32 [B, L, H]; fresh: no request held anything
+    before (every extend of a new prompt); prefix_widths / prefix_agree: per layer, the longest held prefix and
+    whether every head of each request holds as many (extend over held entries only); where: the tokens'
+    positions in the padded extend layout (None when the prompts have one length).
     """
 
-    rows: torch.Tensor
+    slots: torch.Tensor
     counts: list[int]
+    count_tensor: torch.Tensor
     new_ids: torch.Tensor
     widths: list[int]
-    ids: torch.Tensor
     lengths: torch.Tensor
     fresh: bool
     prefix_widths: list[int]
     prefix_agree: list[bool]
+    where: torch.Tensor | None
 
 
 class StoreRows:
@@ -74,20 +79,27 @@ class StoreRows:
 
     def __init__(self, store: RaggedStore, dense_capacity: int):
         self.store, self.dense_capacity = store, dense_capacity
-        self.plan: tuple[list[int], list[int], torch.Tensor] | None = None  # the next forward's rows, counts, ids
+        self.plan: tuple[list[int], list[int], list[int], torch.Tensor] | None = None  # rows, counts, targets, ids
 
+    @counted("forward")
     def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
         rows = [int(r) for r in req_pool_indices_cpu.tolist()]
-        targets = target_seq_lens_cpu.tolist()
-        counts = [int(t) - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
+        targets = [int(t) for t in target_seq_lens_cpu.tolist()]
+        counts = [t - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
+        if any(n < 0 for n in counts):  # SGLang's row is shorter than what the store holds for it: our bug
+            raise RuntimeError(f"ragged store: rows {rows} hold more tokens than SGLang's lengths {targets}")
         grow = [(r, n) for r, n in zip(rows, counts) if n > 0]
         new = self.store.append([r for r, _ in grow], [n for _, n in grow])
-        self.plan = (rows, [max(n, 0) for n in counts], new)
+        self.plan = (rows, counts, targets, new)
 
-    def take_plan(self, batch_size: int):
-        """The rows and new entries of the forward about to run (set by ``alloc_to_lengths`` for it), once."""
+    def take_plan(self, seq_lens: list[int]):
+        """The rows, new counts and new entries of the forward about to run (laid out by ``alloc_to_lengths`` for
+        it), once. ``seq_lens``: the forward's lengths (host); a missing plan or other lengths is our bug."""
         plan, self.plan = self.plan, None
-        return plan if plan is not None and len(plan[0]) == batch_size else None
+        if plan is None or plan[2] != seq_lens:
+            raise RuntimeError(f"ragged store: the forward's lengths {seq_lens} were not laid out before it "
+                               f"({'no plan' if plan is None else plan[2]})")
+        return plan[0], plan[1], plan[3]
 
     def free(self, row) -> None:
         self.store.release(int(row))
@@ -100,21 +112,21 @@ class StoreRows:
         pass
 
 
-def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: torch.Tensor | None,
-               extend: bool) -> Step:
-    """The batch view of one forward from host bookkeeping: one gather of the rows' ids for every layer."""
-    rows_dev = torch.tensor(rows, dtype=torch.int64).to(store.device)
-    if new_ids is None:  # no plan from the aux cache: the rows' last entries are this forward's
-        new_ids = store.last_entries(rows_dev, torch.tensor(counts, dtype=torch.int64).to(store.device))
+def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: torch.Tensor, extend: bool) -> Step:
+    """The batch view of one forward from host bookkeeping."""
+    from kvzap_export.kernels.ragged_attention import token_positions
+
     widths = store.widths(rows)
+    slots = store.slots(rows)
     fresh = extend and all(store.logical.get(r, 0) == n for r, n in zip(rows, counts))
     prefix_widths, prefix_agree = [], []
     if extend and not fresh:
-        held = store.lengths_host[torch.tensor(rows)] - torch.tensor(counts)[:, None, None]  # [B, L, H]
+        held = store.lengths_host[store.slots_host(rows)] - torch.tensor(counts)[:, None, None]  # [B, L, H]
         prefix_widths = held.amax(dim=(0, 2)).tolist()
         prefix_agree = (held.amax(-1) == held.amin(-1)).all(0).tolist()
-    return Step(rows_dev, counts, new_ids, widths, store.batch_ids(rows_dev, max(widths, default=0)),
-                store.lengths[rows_dev], fresh, prefix_widths, prefix_agree)
+    return Step(slots, counts, torch.tensor(counts, dtype=torch.int64).to(store.device), new_ids, widths,
+                store.lengths[slots], fresh, prefix_widths, prefix_agree,
+                token_positions(counts, store.device) if extend else None)
 
 
 class RaggedKVzapSGLang(KVzapSGLang):
@@ -125,6 +137,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         super().__init__(*args, **kwargs)
         self.choices: dict[int, str] = {}  # row -> "prefill" | "decoding" for the requests KVzap prunes
 
+    @counted("forward")
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
         """Scores the forward's new tokens into the store, next to their entries (no slot-indexed buffer)."""
         from kvzap_export.integrations.core import check_hidden_states
@@ -141,6 +154,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
     def release(self, idx: int) -> None:
         self.choices.pop(idx, None)
 
+    @counted("step_end")
     def on_step_end(self, batch, chunked_req=None) -> None:
         """Prompts that ended this step are decided; decode rows with ``decoding`` test the token that left the
         window. Per request only host bookkeeping (its setting, its phase); the decisions are two batched calls."""
@@ -160,7 +174,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
                 choice = self._choose(req, idx)
                 if choice is not None:
                     self.choices[idx] = choice
-            elif self.owners.get(idx) is not req:
+            elif extend and self.owners.get(idx) is not req:
                 # e.g. a streaming session's next turn: its cache was left alone, so it stays alone
                 self._bypass(req, idx, f"it extends a cache KVzap did not build (prefix {int(batch.prefix_lens[i])})")
             choice = self.choices.get(idx)
@@ -173,8 +187,6 @@ class RaggedKVzapSGLang(KVzapSGLang):
         store, p = current_store(), self.policy
         store.decide_prefill(prompts, p.threshold, p.window, p.sink)
         store.decide_decode(decoding, p.threshold, p.window, p.sink)
-        if self.stats is not None:
-            self.stats.record(batch, self)
 
     def pool_readings(self, idx: int | None) -> dict:
         store = _STORE
@@ -182,8 +194,12 @@ class RaggedKVzapSGLang(KVzapSGLang):
             return {}
         if idx is None:  # read from the free list
             return {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
-                    "rows": len(store.logical), "ragged_bytes": store.nbytes()}
+                    "rows": len(store.logical)}
         return {"row_head_slots": store.row_held(idx)}
+
+    def extra_bytes(self) -> dict:
+        """The per-head pool: K, V, scores, row tables, free list (no slot-indexed score buffer in this mode)."""
+        return {f"ragged_{name}": size for name, size in current_store().nbytes().items()} if _STORE is not None else {}
 
     def decided(self, idx: int) -> dict:
         """What the decisions left in row ``idx``: the lengths of its row table (``pool_readings`` reads the pool's
@@ -261,10 +277,8 @@ def _allocator_hook(original_fn, configurator, *args, **kwargs):
                           "attention is not plain MHA/GQA, or another plugin replaced the pool); use KVZAP_MODE=mask")
     tokens = int(kwargs["sizes"].max_total_num_tokens)
     layers, heads = int(pool.layer_num), int(pool.head_num)
-    requests = kwargs.get("req_to_token_pool")
-    rows = int(requests.req_to_token.shape[0]) if requests is not None else 1
-    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim), rows=rows,
-                        width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
+    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim),
+                        rows=INITIAL_ROWS, width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
     allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
     allocator.store, allocator.entries_per_token = store, layers * heads
     allocator.dense_tokens = tokens
@@ -295,24 +309,20 @@ def backend_class():
             self.step: Step | None = None
             self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
 
+        @counted("forward")
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             mode = forward_batch.forward_mode
             if not (mode.is_extend() or mode.is_decode()):
                 self.step = None
                 return
-            plan = self.rows.take_plan(int(forward_batch.batch_size))
-            if plan is not None:
-                rows, counts, new_ids = plan
-            else:  # not laid out by the aux cache: read the rows (one read of the device per forward)
-                rows = [int(r) for r in forward_batch.req_pool_indices.tolist()]
-                counts = list(forward_batch.extend_seq_lens_cpu) if mode.is_extend() else [1] * len(rows)
-                new_ids = None
+            rows, counts, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()])
             global _STEP
             self.step = _STEP = build_step(self.store, rows, counts, new_ids, mode.is_extend())
-            need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
-            if mode.is_decode() and need > self.workspace.numel():  # one buffer for every layer's gather
-                self.workspace = torch.empty(int(need * 1.25), dtype=self.store.k.dtype, device=self.store.device)
+            if mode.is_decode() and not (self.store.device.type == "cuda" and _triton_decode()):
+                need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
+                if need > self.workspace.numel():  # one buffer for every layer's key gather (the torch path)
+                    self.workspace = torch.empty(int(need * 1.25), dtype=self.store.k.dtype, device=self.store.device)
 
         @staticmethod
         def _check_save(save_kv_cache, k) -> None:
@@ -326,6 +336,7 @@ def backend_class():
             self.store.k.index_copy_(0, ids, k.reshape(ids.shape[0], -1).to(self.store.k.dtype))
             self.store.v.index_copy_(0, ids, v.reshape(ids.shape[0], -1).to(self.store.v.dtype))
 
+        @counted("forward")
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             from kvzap_export.kernels.ragged_attention import causal_extend_attention, prefix_extend_attention
 
@@ -335,17 +346,17 @@ def backend_class():
             step, lid = self.step, layer.layer_id
             self._write(lid, k3, v3)
             if step.fresh:  # a new prompt is dense: attend over its own K/V
-                out = causal_extend_attention(q3, k3.to(q3.dtype), v3.to(q3.dtype), step.counts, layer.scaling)
+                out = causal_extend_attention(q3, k3.to(q3.dtype), v3.to(q3.dtype), step.counts, layer.scaling,
+                                              step.where)
             else:  # entries held before this chunk: gathered (each head's own), then the chunk causally
-                width = step.prefix_widths[lid]
-                counts = torch.tensor(step.counts, device=q.device)
-                held = step.lengths[:, lid].to(torch.int64) - counts[:, None]
-                prefix = step.ids[:, lid, :, :width].to(torch.int64)
+                held = step.lengths[:, lid].to(torch.int64) - step.count_tensor[:, None]
+                prefix = self.store.layer_ids(step.slots, lid, step.prefix_widths[lid]).to(torch.int64)
                 out = prefix_extend_attention(q3, k3.to(q3.dtype), v3.to(q3.dtype), step.counts,
                                               self.store.k[prefix].to(q3.dtype), self.store.v[prefix].to(q3.dtype), held,
-                                              layer.scaling, heads_agree=step.prefix_agree[lid])
+                                              layer.scaling, heads_agree=step.prefix_agree[lid], where=step.where)
             return out.reshape(-1, hq * dv)
 
+        @counted("forward")
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             from kvzap_export.kernels.ragged_attention import decode_attention
 
@@ -353,12 +364,18 @@ def backend_class():
             self._check_save(save_kv_cache, k)
             step, lid = self.step, layer.layer_id
             self._write(lid, k.reshape(-1, hk, d), v.reshape(-1, hk, dv))
-            ids = step.ids[:, lid, :, : step.widths[lid]]
+            ids = self.store.layer_ids(step.slots, lid, step.widths[lid])
             out = decode_attention(q.reshape(-1, hq, d), self.store.k, self.store.v, ids, step.lengths[:, lid],
                                    layer.scaling, self.workspace)
             return out.reshape(-1, hq * dv)
 
     return KVzapRaggedAttnBackend
+
+
+def _triton_decode() -> bool:
+    from kvzap_export.kernels import triton_ragged_attention
+
+    return triton_ragged_attention.triton is not None
 
 
 def register(register_hook, kind, one_line) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from kvzap_export.errors import ConfigError, InputError
 from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states
+from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.server_setup import ServerSetup
 
@@ -97,7 +98,7 @@ class KVzapSGLang:
         self.setup: ServerSetup | None = None
         self.stats = None  # a stats.AllocatorReadings when KVZAP_STATS is set
         self._sized_for = None
-        self._visible: dict[int, tuple] = {}  # row -> (state, logical length, masks) cached between decisions
+        self._visible: dict[int, torch.Tensor] = {}  # row -> the masks its last decision left (batch_visibility)
 
     @classmethod
     def from_bundle(cls, bundle, mode: str = "evict", decoding: bool = True, tp_size: int = 1, tp_rank: int = 0,
@@ -109,6 +110,7 @@ class KVzapSGLang:
         return cls(BundleScorer.from_bundle(bundle, tp_size, tp_rank), pol, mode, tp_group)
 
     # scoring hook ------------------------------------------------------------------------------
+    @counted("forward")
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
         """Scores the forward's new tokens and writes them at their KV slots."""
         check_hidden_states(hidden_states, f"layer {layer}")
@@ -174,6 +176,11 @@ class KVzapSGLang:
         has no per-head view."""
         return {}
 
+    def extra_bytes(self) -> dict:
+        """Bytes of the buffers KVzap adds to SGLang's (mask and evict modes: the slot-indexed score buffer)."""
+        buffer = self.slots.buffer
+        return {"score_buffer": buffer.numel() * buffer.element_size() if buffer is not None else 0}
+
     def decided(self, idx: int) -> dict:
         """What KVzap's decisions imply for row ``idx`` ({} when KVzap leaves it alone): its logical length, the
         entries its state keeps, the entries kvpress's rule keeps (``stats.py``)."""
@@ -227,6 +234,7 @@ class KVzapSGLang:
         self._set_offset(idx, 0, capacity)
         return state
 
+    @counted("step_end")
     def on_step_end(self, batch, chunked_req=None) -> None:
         """Feeds each request's new tokens to its state; evicts (evict mode) or updates masks (mask mode).
 
@@ -272,8 +280,7 @@ class KVzapSGLang:
             for (i, req, idx, row, state, proposal), count in zip(pending, counts):
                 decision = state.commit(proposal, count if self.mode == "evict" else None)
                 self.apply(batch, i, req, idx, row, decision, state)
-        if self.stats is not None:
-            self.stats.record(batch, self)
+                self._remember_visibility(idx, state, decision.uniform_count)
 
     def score_slots(self, idx: int, row: torch.Tensor, seq_len: int, n: int) -> torch.Tensor:
         """The slots where the scoring hook wrote the step's ``n`` new tokens of row ``idx``."""
@@ -320,32 +327,25 @@ class KVzapSGLang:
 
     # masking (decode attention of the mask and evict modes) ----------------------------------------
     def batch_visibility(self, rows: list[int], width: int, device) -> torch.Tensor:
-        """bool [B, L, H, width]: ``visible`` of every layer of each request of a decode step, at once. Each
-        request's masks are cached between its decisions (``_visibility``), so a step copies one tensor per
-        request and reads nothing back."""
+        """bool [B, L, H, width]: ``visible`` of every layer of each request of a decode step, at once, from the
+        masks each step end left (``_remember_visibility``): a step copies one tensor per request and reads
+        nothing back. Entries past a request's remembered masks (this step's token) are visible."""
         out = torch.ones(len(rows), self.scorer.num_layers, self.scorer.num_kv_heads, width, dtype=torch.bool,
                          device=device)
         for b, idx in enumerate(rows):
-            seen = self._visibility(idx)
+            seen = self._visible.get(idx)
             if seen is not None:
                 n = min(seen.shape[-1], width)
                 out[b, :, :, :n] = seen[..., :n]
         return out
 
-    def _visibility(self, idx: int) -> torch.Tensor | None:
-        """bool [L, H, n]: the entries of row ``idx`` the state has seen that attention may see (n: its logical
-        length in mask mode, its physical length in evict mode); None for a request left alone."""
-        state = self.states.get(idx)
-        if state is None:
-            return None
-        cached = self._visible.get(idx)
-        if cached is None or cached[0] is not state or cached[1] != state.logical_length:
-            if self.mode == "evict":
-                seen = state.rule_kept[..., : state.physical_length]
-            else:
-                seen = state.visible_all()
-            cached = self._visible[idx] = (state, state.logical_length, seen)
-        return cached[2]
+    def _remember_visibility(self, idx: int, state: RequestState, physical_length: int) -> None:
+        """After a decision: bool [L, H, n], the entries of row ``idx`` attention may see (n: the state's logical
+        length in mask mode, the request's physical length in evict mode)."""
+        if self.mode == "evict":
+            self._visible[idx] = state.rule_kept[..., :physical_length]
+        else:
+            self._visible[idx] = state.visible_all()
 
     def visible(self, req_pool_idx: int, layer: int, kv_len: int) -> torch.Tensor:
         """bool [kv_heads, kv_len]: which of the request's ``kv_len`` cache entries each KV head may attend to.

@@ -107,6 +107,7 @@ class ServerSetup:
             out.append(f"tensor parallelism is {self.tp_size} (use --tp-size 1 in ragged mode, or KVZAP_MODE=evict)")
         if mode in ("evict", "ragged") and self.page_size != 1:
             out.append(f"the page size is {self.page_size} (use --page-size 1: entries are freed one by one)")
-        if mode in ("evict", "ragged") and (self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES):
-            out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto, or KVZAP_MODE=mask)")
+        if self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES:
+            out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto: KVzap's decode reads "
+                       "plain K/V)")
         return out

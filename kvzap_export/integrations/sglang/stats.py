@@ -9,7 +9,10 @@ of the SGLang engine benchmark). The numbers come from the engine's pools, never
   carry no K/V); ``row_slots``: the request's own slots by SGLang's bookkeeping (``kv_allocated_len``, which
   evict mode itself lowers when it frees the tail); ``available_to_scheduler``: ``available_size()``;
 - ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list)
-  and ``row_head_slots`` (the lengths of the request's rows in the store's tables).
+  and ``row_head_slots`` (the lengths of the request's rows in the store's tables);
+- ``bytes``: every buffer the mode allocated: SGLang's own K/V buffers (placeholders in ragged mode), its logical
+  slot list, and what KVzap adds (the score side buffer; in ragged mode the pool's K, V, scores, row tables and
+  free list).
 
 Per-request lines also carry what the glue's decisions imply (``decided_entries``: the state's kept counts),
 so that the two can be compared. Idle lines (``"event": "idle"``, written once each time the scheduler
@@ -51,13 +54,16 @@ class AllocatorReadings:
         # pool's room in dense tokens (what admission sees); the slot ids themselves carry no K/V there.
         free = allocator.logical_available() if hasattr(allocator, "logical_available") else allocator.available_size()
         out = {"pool_slots": size, "slots_held": size - int(free), "available_to_scheduler": int(allocator.available_size()),
-               "layers": int(kv.layer_num), "kv_heads": int(kv.head_num)}
+               "layers": int(kv.layer_num), "kv_heads": int(kv.head_num),
+               "bytes": {"sglang_kv": int(sum(kv.get_kv_size_bytes())), "slot_free_list": 8 * size,
+                         **(rt.extra_bytes() if rt is not None else {})}}
         if rt is not None:
             out.update(rt.pool_readings(None))
         return out
 
-    def record(self, batch, rt=None) -> None:
-        """One line per request of the batch, at the end of its step (before SGLang frees finished rows)."""
+    def record(self, batch, rt=None, extra: dict | None = None) -> None:
+        """One line per request of the batch, at the end of its step (before SGLang frees finished rows); ``extra``
+        goes on every line (``host_reads``: the step's counted reads, ``host_reads.py``)."""
         pool = self._pool(batch.token_to_kv_pool_allocator, rt)
         now, forward = time.time(), "extend" if batch.forward_mode.is_extend() else "decode"
         lines = []
@@ -72,6 +78,7 @@ class AllocatorReadings:
                     "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool, **decided}
             if rt is not None:
                 line.update(rt.pool_readings(idx))
+            line.update(extra or {})
             lines.append(line)
         self._write(lines)
         self._last_idle = None  # the next idle reading is written even if it equals the previous one

@@ -197,9 +197,11 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
                            str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
+                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1", "KVZAP_COUNT_HOST_READS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
+    forward, step_end = decode_host_reads(out)  # aborts, retractions, mixed settings: still one count per step
+    assert len(forward) == 1 and step_end <= 3, (forward, step_end)
     finishes = [r["finish"] for r in out["stream"]]
     assert len(finishes) == 200 and finishes.count("abort") >= 5, finishes
     assert finishes[7] == "abort" and finishes.count("length") >= 100
@@ -210,3 +212,61 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
     assert idle and idle[-1]["t"] > max(r["t"] for r in steps)
     assert idle[-1]["head_slots_free"] == idle[-1]["head_slots_pool"] and idle[-1]["head_slots_held"] == 0
     assert idle[-1]["rows"] == 0 and idle[-1]["slots_held"] == 0  # SGLang's slot ids all came back too
+
+
+
+def concurrent_reference_stream(model, bundle, mode, tmp_path) -> tuple[dict, list]:
+    """The reference prompts, four copies each, kvpress decoding=True and =False mixed, submitted at once (up to 8
+    running), with KVZAP_COUNT_HOST_READS=1; returns the driver's result and the kvpress tokens each must equal."""
+    import os
+
+    from tests.conftest import sglang_python
+
+    reference = json.loads((bundle / "report" / "reference.json").read_text())
+    stream, expected = [], []
+    for _copy in range(4):
+        for prompt in reference["prompts"]:
+            for run in prompt["runs"]:
+                stream.append({"input_ids": prompt["prompt_ids"], "max_new_tokens": NEW_TOKENS,
+                               "kvzap": "decoding" if run["decoding"] else "prefill"})
+                expected.append(run["output_ids"])
+    longest = max(len(r["input_ids"]) for r in stream)
+    spec = {"model": str(model), "bundle": str(bundle), "mode": mode, "stream": stream,
+            "engine": {"max_running_requests": 8, "max_total_tokens": 8 * (longest + NEW_TOKENS + 8)}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "KVZAP_COUNT_HOST_READS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((tmp_path / "out.json").read_text()), expected
+
+
+def decode_host_reads(out: dict) -> tuple[set, int]:
+    """(the forward counts of every decode step, the largest step-end count), after checking batches ran."""
+    decode = [r for r in out["readings"] if r.get("forward") == "decode"]
+    assert max(r["running_requests"] for r in decode) >= 4  # batched decode steps really ran
+    return {r["host_reads"]["forward"] for r in decode}, max(r["host_reads"]["step_end"] for r in decode)
+
+
+@pytest.mark.parametrize("mode", ["ragged", "mask", "evict"])
+def test_concurrent_requests_give_kvpress_tokens_with_a_constant_number_of_host_reads(request, tmp_path, mode):
+    """Decode steps batch up to 8 requests (one attention call per layer for the batch) and every output still
+    equals kvpress's tokens for its setting. The scheduler counts the reads of tensor values into Python its KVzap
+    code made in each step (``host_reads.py``; on a GPU each is a stall): the forward's count (aux cache, batch
+    view, every layer's attention and scoring) is the same at every decode step whatever the batch, and in ragged
+    mode the same on SmolLM2's 30 layers as on the tiny Qwen3's 4, with at most 3 more at the step end (one read
+    of the decided lengths). Mask and evict modes still decide request by request at the step end (RequestState),
+    a few reads per request: not held constant here."""
+    which = ["smollm2", "qwen3"] if mode == "ragged" else ["qwen3"]
+    forward_counts = set()
+    for name in which:
+        model, bundle = request.getfixturevalue(name)
+        out, expected = concurrent_reference_stream(model, bundle, mode, tmp_path / name)
+        assert [r["output_ids"] for r in out["stream"]] == expected
+        forward, step_end = decode_host_reads(out)
+        assert len(forward) == 1, sorted(forward)
+        forward_counts |= forward
+        if mode == "ragged":
+            assert step_end <= 3, step_end
+    assert len(forward_counts) == 1, forward_counts

@@ -53,14 +53,15 @@ def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean,
     assert plugin._CONFIG is None
 
 
-@pytest.mark.parametrize("bundle", [None, "{tmp}"])
-def test_another_sglang_version_stops_the_launch_naming_both(clean, monkeypatch, tmp_path, bundle):
-    """The glue names SGLang internals of one release; any other version stops every process at plugin load,
-    with KVzap on or off (the readings-only baseline also hooks SGLang)."""
+@pytest.mark.parametrize("env", [{"KVZAP_BUNDLE": "{tmp}"}, {"KVZAP_STATS": "{tmp}/stats.jsonl"}])
+def test_another_sglang_version_stops_the_launch_naming_both(clean, monkeypatch, tmp_path, env):
+    """The glue names SGLang internals of one release; any other version stops every process at plugin load
+    whenever the plugin would hook SGLang (KVzap on, or the readings-only baseline), and never otherwise."""
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.24" if name == "sglang" else real(name))
-    if bundle:
-        monkeypatch.setenv("KVZAP_BUNDLE", bundle.format(tmp=tmp_path))
+    assert plugin.load_plugin() is None  # nothing configured: another SGLang runs as if the plugin were absent
+    for key, value in env.items():
+        monkeypatch.setenv(key, value.format(tmp=tmp_path))
     with pytest.raises(SystemExit) as info:
         plugin.load_plugin()
     message = str(info.value.code)

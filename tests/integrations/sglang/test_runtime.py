@@ -152,8 +152,8 @@ ALL = ("evict", "mask", "ragged")
     ({"graphs": True}, ALL, "--cuda-graph-backend-decode disabled"),
     ({"tp_size": 2}, ("ragged",), "--tp-size 1"),
     ({"page_size": 16}, ("evict", "ragged"), "--page-size 1"),
-    ({"kv_dtype": torch.float8_e4m3fn}, ("evict", "ragged"), "--kv-cache-dtype auto"),
-    ({"kv_quantized": True}, ("evict", "ragged"), "--kv-cache-dtype auto"),
+    ({"kv_dtype": torch.float8_e4m3fn}, ("evict", "mask", "ragged"), "--kv-cache-dtype auto"),
+    ({"kv_quantized": True}, ("evict", "mask", "ragged"), "--kv-cache-dtype auto"),
 ])
 def test_server_setup_names_the_flag_to_fix(surrogate, change, modes, flag):
     from kvzap_export.errors import ConfigError

@@ -1,0 +1,181 @@
+"""Figures of one SGLang stream run, read from the scheduler's own step-end readings (``KVZAP_STATS``), and
+their medians over interleaved rounds.
+
+A run submits every request at once (``integrations/sglang/driver.py``, stream mode) and records, per request,
+its submission and completion times on the wall clock; the scheduler writes one reading per request at each
+step end (``integrations/sglang/stats.py``: SGLang's allocator, the per-head pool's free list in ragged mode,
+what KVzap's decisions left). From them:
+
+- throughput: output tokens / wall clock of the whole stream, requests / wall clock;
+- latency: time to first token (a request's first step end - its submission), inter-token latency (the time
+  between a request's consecutive step ends), p50 / p90 over requests and tokens;
+- concurrency: the most requests in one decode step (``max_running``);
+- memory: K/V entries (one token of one KV head of one layer) a request holds at the step end that ended its
+  prompt (its last extend step before its first decode step: where KVzap decided the prompt; mean), the pool's entries held at the busiest step, and ``freed_at_peak``: over the requests, the entries
+  freed at each request's last step (its largest footprint) relative to what dense storage holds then,
+  ``(prompt + tokens sampled before that step) * layers * kv_heads``; bytes of every buffer the mode allocated (SGLang's K/V, our
+  pool, its row tables, score buffers, the logical slot list) at the busiest step;
+- step times: the wall time between consecutive step ends (the first step: from the first submission), per
+  decode batch size (median), and for prompts the extend steps' total time per 1,000 prompt tokens (and per
+  step, with its prompt count).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def _held(line: dict) -> int:
+    """K/V entries one reading says its request holds (the per-head pool's rows in ragged mode)."""
+    if "row_head_slots" in line:
+        return int(line["row_head_slots"])
+    return int(line["row_slots"]) * line["layers"] * line["kv_heads"]
+
+
+def _prompt_end(lines: list[dict]) -> dict:
+    """A request's reading at the end of its prompt: its last extend step before its first decode step (a prompt
+    prefilled in chunks is decided at its last chunk; a retracted request's later re-prefill does not count)."""
+    end = lines[0]
+    for line in lines:
+        if line["forward"] != "extend":
+            break
+        end = line
+    return end
+
+
+def run_figures(result: dict) -> dict:
+    """The figures of one run (see the module docstring) from the driver's stream result."""
+    steps = [r for r in result["readings"] if r.get("event") != "idle"]
+    if not steps:
+        raise ValueError("the run left no step readings (KVZAP_STATS): was the plugin loaded by the engine?")
+    per_token = steps[0]["layers"] * steps[0]["kv_heads"]
+    by_time: dict[float, list[dict]] = defaultdict(list)
+    by_rid: dict[str, list[dict]] = defaultdict(list)
+    for line in steps:
+        by_time[line["t"]].append(line)
+        by_rid[line["rid"]].append(line)
+    times = sorted(by_time)
+    stream = result["stream"]
+    finished = [r for r in stream if r.get("finish") != "abort"]
+    out_tokens = sum(len(r["output_ids"]) for r in stream)
+    wall = result["wall_seconds"]
+    submitted = {r["rid"]: r["t_submit"] for r in stream if "t_submit" in r}
+    ttft = [by_rid[rid][0]["t"] - t0 for rid, t0 in submitted.items() if by_rid.get(rid)]
+    itl = [b["t"] - a["t"] for lines in by_rid.values() for a, b in zip(lines, lines[1:])]
+    decode_sizes = [len(by_time[t]) for t in times if by_time[t][0]["forward"] == "decode"]
+    decode_steps: dict[int, list[float]] = defaultdict(list)
+    extend_s, extend_tokens, extend_steps = 0.0, 0, []
+    # The first step is timed from the first submission (nothing ran before it).
+    starts = [min(submitted.values())] if submitted else []
+    for a, b in zip(starts + times, times if starts else times[1:]):
+        lines = by_time[b]
+        if lines[0]["forward"] == "decode":
+            decode_steps[len(lines)].append(b - a)
+        else:
+            prompts = sum(line["prompt_tokens"] for line in lines)
+            extend_s += b - a
+            extend_tokens += prompts
+            extend_steps.append({"prompts": len(lines), "prompt_tokens": prompts, "seconds": b - a})
+    last = [lines[-1] for lines in by_rid.values()]
+    # At a step end (before SGLang appends the token it just sampled) a request's cache holds its prompt and every
+    # token sampled before this step: the last one was this step's input.
+    dense_last = sum((line["prompt_tokens"] + line["output_tokens"]) * per_token for line in last)
+    held_last = sum(_held(line) for line in last)
+    busiest = max(steps, key=lambda line: line.get("head_slots_held", line["slots_held"] * per_token))
+    peak = busiest.get("head_slots_held", busiest["slots_held"] * per_token)
+    pool = steps[0].get("head_slots_pool", steps[0]["pool_slots"] * per_token)
+    return {
+        "requests": len(stream), "finished": len(finished), "output_tokens": out_tokens, "wall_s": wall,
+        "tokens_per_s": out_tokens / wall, "requests_per_s": len(finished) / wall,
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p90_s": _percentile(ttft, 0.9),
+        "itl_p50_s": _percentile(itl, 0.5), "itl_p90_s": _percentile(itl, 0.9),
+        "max_running": max(decode_sizes, default=0),
+        "kv_held_after_prefill": statistics.mean(_held(_prompt_end(lines)) for lines in by_rid.values()),
+        "kv_pool_entries": pool, "kv_peak_entries": peak, "freed_at_peak": 1.0 - held_last / dense_last,
+        "bytes": busiest.get("bytes", {}),
+        "decode_step_s": {str(n): statistics.median(v) for n, v in sorted(decode_steps.items())},
+        "decode_steps": {str(n): len(v) for n, v in sorted(decode_steps.items())},
+        "prefill_s_per_1k_tokens": 1000 * extend_s / extend_tokens if extend_tokens else None,
+        "prefill_s": extend_s, "extend_steps": extend_steps, "launch_s": result["engine"]["launch_seconds"],
+    }
+
+
+SCALARS = ("tokens_per_s", "requests_per_s", "wall_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s",
+           "max_running", "kv_held_after_prefill", "kv_peak_entries", "freed_at_peak", "prefill_s_per_1k_tokens",
+           "prefill_s")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min and max of the rounds' values (None where a round has none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per configuration (``label``): each scalar figure as median / min / max over the rounds, the decode step
+    per batch size (median over rounds of each round's median), the bytes of the busiest step (largest)."""
+    by_label: dict[str, list[dict]] = defaultdict(list)
+    for run in runs:
+        by_label[run["label"]].append(run)
+    out = {}
+    for label, group in by_label.items():
+        entry = {name: spread([r["figures"][name] for r in group]) for name in SCALARS}
+        sizes = sorted({n for r in group for n in r["figures"]["decode_step_s"]}, key=int)
+        entry["decode_step_s"] = {n: spread([r["figures"]["decode_step_s"].get(n) for r in group]) for n in sizes}
+        keys = sorted({k for r in group for k in r["figures"]["bytes"]})
+        entry["bytes"] = {k: max(r["figures"]["bytes"].get(k, 0) for r in group) for k in keys}
+        entry["mode"], entry["threshold"] = group[0]["mode"], group[0]["threshold"]
+        out[label] = entry
+    return out
+
+
+def compare(summary: dict, runs: list[dict], baseline: str = "dense") -> dict:
+    """Each configuration against the baseline, on medians: throughput ratio, running ratio next to what the
+    freed memory predicts (``1 / (1 - freed_at_peak)``), decode step ratio at each batch size both reached,
+    prefill time ratio (per 1,000 prompt tokens)."""
+    base = summary[baseline]
+    out = {}
+    for label, entry in summary.items():
+        if label == baseline:
+            continue
+        med = lambda name, e=entry: e[name]["median"]  # noqa: E731
+        freed = med("freed_at_peak")
+        common = [n for n in entry["decode_step_s"] if n in base["decode_step_s"]]
+        out[label] = {
+            "tokens_per_s_ratio": med("tokens_per_s") / base["tokens_per_s"]["median"],
+            "tokens_per_s_ratio_per_round": _per_round(runs, label, baseline, "tokens_per_s"),
+            "running_ratio": med("max_running") / base["max_running"]["median"],
+            "running_ratio_predicted": 1.0 / (1.0 - freed) if freed is not None and freed < 1 else None,
+            "decode_step_ratio_at_equal_batch": {n: entry["decode_step_s"][n]["median"] / base["decode_step_s"][n]["median"]
+                                                 for n in common},
+            "prefill_ratio": (med("prefill_s_per_1k_tokens") / base["prefill_s_per_1k_tokens"]["median"]
+                              if med("prefill_s_per_1k_tokens") and base["prefill_s_per_1k_tokens"]["median"] else None),
+        }
+        predicted = out[label]["running_ratio_predicted"]
+        out[label]["running_vs_predicted"] = out[label]["running_ratio"] / predicted if predicted else None
+    return out
+
+
+def _per_round(runs: list[dict], label: str, baseline: str, name: str) -> list[float]:
+    """The ratio within each round (the two runs of one round ran minutes apart on the same machine)."""
+    rounds = sorted({r["round"] for r in runs})
+    ratios = []
+    for number in rounds:
+        mine = [r for r in runs if r["round"] == number and r["label"] == label]
+        base = [r for r in runs if r["round"] == number and r["label"] == baseline]
+        if mine and base:
+            ratios.append(mine[0]["figures"][name] / base[0]["figures"][name])
+    return ratios

@@ -1,0 +1,88 @@
+"""Counting the reads of tensor values into Python that KVzap's serving code makes per step (a test probe).
+
+On a GPU every such read (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``, ``.cpu()``, ...) of a device tensor
+waits for the stream: one per layer or per request would dominate a decode step. The engine code here is meant
+to make a constant number per step, whatever the batch size and layer count. This module counts them, on any
+device: a ``TorchFunctionMode`` sees every such call. Value reads are counted on device and host tensors alike (on
+the CPU engine every tensor is a host tensor, so the count is an upper bound of what a GPU would synchronize on);
+copies to the host (``.cpu()``, ``.to("cpu")``) are counted when the tensor is not on the CPU already.
+
+Off unless ``KVZAP_COUNT_HOST_READS=1`` in the engine's processes: ``counted`` then wraps the serving hooks, and
+the step-end readings (``stats.py``) carry the step's counts, split into ``forward`` (the aux cache's host-side
+layout, the backend's metadata, every layer's attention and scoring) and ``step_end`` (decisions).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ENV = "KVZAP_COUNT_HOST_READS"
+_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+          torch.Tensor.__index__, torch.Tensor.numpy}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts value reads (see the module docstring) made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS or (func in (torch.Tensor.to, torch.Tensor.cpu) and _device_to_host(func, args, kwargs)):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _device_to_host(func, args, kwargs) -> bool:
+    """``.cpu()`` / ``.to(cpu)`` of a tensor that is not on the CPU already (a copy to the CPU is a no-op)."""
+    source = args[0]
+    if not isinstance(source, torch.Tensor) or source.device.type == "cpu":
+        return False
+    if func is torch.Tensor.cpu:
+        return True
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+class StepCounts:
+    """This process's tallies since the last step end: ``add(kind, n)``, ``take()``."""
+
+    def __init__(self):
+        self.counts = {"forward": 0, "step_end": 0}
+
+    def add(self, kind: str, n: int) -> None:
+        self.counts[kind] += n
+
+    def take(self) -> dict:
+        out, self.counts = self.counts, {"forward": 0, "step_end": 0}
+        return out
+
+
+@functools.cache
+def tallies() -> StepCounts | None:
+    """The process's tallies when ``KVZAP_COUNT_HOST_READS=1``, else None (read once)."""
+    return StepCounts() if os.environ.get(ENV) == "1" else None
+
+
+def counted(kind: str):
+    """Decorator: when counting is on, the call's reads are added to ``kind`` (``forward`` or ``step_end``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            counts = tallies()
+            if counts is None:
+                return fn(*args, **kwargs)
+            with HostReads() as mode:
+                result = fn(*args, **kwargs)
+            counts.add(kind, mode.count)
+            return result
+
+        return inner
+
+    return wrap

@@ -1,0 +1,80 @@
+"""The SGLang stream benchmark's figures from readings written by hand: each figure checked against the value
+worked out here from the same timeline (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvzap_export.bench.stream_figures import compare, run_figures, summarize
+
+LH = 6  # layers x KV heads of the readings below
+
+
+def reading(t, rid, forward, running, prompt, output, held=None, pool_held=0, slots=0):
+    line = {"t": t, "rid": rid, "forward": forward, "running_requests": running, "prompt_tokens": prompt,
+            "output_tokens": output, "row_slots": prompt + output, "slots_held": slots, "pool_slots": 100, "layers": 2,
+            "kv_heads": 3, "bytes": {"sglang_kv": 1000}}
+    if held is not None:  # ragged mode: the per-head pool's rows and free list
+        line.update(row_head_slots=held, head_slots_held=pool_held, head_slots_pool=600)
+    return line
+
+
+def result(ragged: bool, speed: float = 1.0) -> dict:
+    """Two requests of 10-token prompts: a prefill of both at t=1, three decode steps, r1 stops after two."""
+    h = (lambda n: n) if ragged else (lambda n: None)
+    s = lambda t: 100 + t / speed  # noqa: E731
+    readings = [
+        reading(s(1), "r0", "extend", 2, 10, 0, h(30), 54), reading(s(1), "r1", "extend", 2, 10, 0, h(24), 54),
+        reading(s(2), "r0", "decode", 2, 10, 1, h(36), 66), reading(s(2), "r1", "decode", 2, 10, 1, h(30), 66),
+        reading(s(4), "r0", "decode", 2, 10, 2, h(42), 78), reading(s(4), "r1", "decode", 2, 10, 2, h(36), 78),
+        reading(s(5), "r0", "decode", 1, 10, 3, h(48), 48),
+        {"event": "idle", "t": s(6)},
+    ]
+    stream = [{"rid": "r0", "output_ids": [1] * 4, "finish": "length", "t_submit": 100.0},
+              {"rid": "r1", "output_ids": [1] * 3, "finish": "length", "t_submit": 100.5}]
+    return {"readings": readings, "stream": stream, "wall_seconds": 5.0 / speed, "engine": {"launch_seconds": 9.0}}
+
+
+def test_figures_of_one_run_from_its_readings():
+    f = run_figures(result(ragged=True))
+    assert f["tokens_per_s"] == pytest.approx(7 / 5) and f["requests_per_s"] == pytest.approx(2 / 5)
+    assert f["ttft_p50_s"] == pytest.approx(0.75) and f["ttft_p90_s"] == pytest.approx(0.95)  # 1.0 and 0.5
+    # r0: 1, 2, 1; r1: 1, 2 -> sorted 1, 1, 1, 2, 2
+    assert f["itl_p50_s"] == pytest.approx(1.0) and f["itl_p90_s"] == pytest.approx(2.0)
+    assert f["max_running"] == 2 and f["decode_step_s"] == {"1": pytest.approx(1.0), "2": pytest.approx(1.5)}
+    assert f["kv_held_after_prefill"] == 27 and f["kv_peak_entries"] == 78 and f["kv_pool_entries"] == 600
+    # each request's last reading: r0 holds 48 of (10 + 3) * 6, r1 36 of (10 + 2) * 6
+    assert f["freed_at_peak"] == pytest.approx(1 - (48 + 36) / (13 * LH + 12 * LH))
+    assert f["prefill_s_per_1k_tokens"] == pytest.approx(1000 * 1.0 / 20)  # timed from the first submission
+    assert f["extend_steps"] == [{"prompts": 2, "prompt_tokens": 20, "seconds": pytest.approx(1.0)}]
+    dense = run_figures(result(ragged=False))
+    assert dense["freed_at_peak"] == pytest.approx(0.0) and dense["kv_held_after_prefill"] == 10 * LH
+
+
+def test_medians_over_rounds_and_ratios_against_dense():
+    runs = []
+    for number, speed in enumerate((1.0, 0.5, 2.0), start=1):
+        runs.append({"round": number, "label": "dense", "mode": "dense", "threshold": None,
+                     "figures": run_figures(result(False, speed))})
+        runs.append({"round": number, "label": "ragged", "mode": "ragged", "threshold": None,
+                     "figures": run_figures(result(True, 2 * speed))})
+    summary = summarize(runs)
+    tokens = summary["ragged"]["tokens_per_s"]
+    assert tokens["median"] == pytest.approx(2 * 7 / 5) and tokens["min"] == pytest.approx(7 / 5)
+    assert tokens["max"] == pytest.approx(4 * 7 / 5) and tokens["n"] == 3
+    versus = compare(summary, runs)["ragged"]
+    assert versus["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert versus["tokens_per_s_ratio_per_round"] == pytest.approx([2.0, 2.0, 2.0])
+    assert versus["decode_step_ratio_at_equal_batch"] == {"1": pytest.approx(0.5), "2": pytest.approx(0.5)}
+    assert versus["prefill_ratio"] == pytest.approx(0.5)
+    freed = summary["ragged"]["freed_at_peak"]["median"]
+    assert versus["running_ratio"] == 1.0 and versus["running_ratio_predicted"] == pytest.approx(1 / (1 - freed))
+
+
+def test_a_prompt_in_chunks_counts_what_its_last_chunk_left():
+    """KVzap decides a prompt at its last chunk: the first chunk's step end (dense) is not 'after the prompt'."""
+    lines = [reading(101, "r0", "extend", 1, 10, 0, 60, 60), reading(102, "r0", "extend", 1, 10, 0, 33, 33),
+             reading(103, "r0", "decode", 1, 10, 1, 39, 39)]
+    run = {"readings": lines, "stream": [{"rid": "r0", "output_ids": [1, 1], "finish": "length", "t_submit": 100.0}],
+           "wall_seconds": 3.0, "engine": {"launch_seconds": 1.0}}
+    assert run_figures(run)["kv_held_after_prefill"] == 33

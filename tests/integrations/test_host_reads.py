@@ -1,0 +1,58 @@
+"""Reads of tensor values into Python (a device->host transfer, a stall, on a GPU) during one ragged decode step:
+the aux cache's host-side layout, the step's batch view, every layer's K/V write and attention, and the step's
+decisions. Their number must not grow with the layers or the requests. The counter itself is checked first.
+
+The same count runs inside the real SGLang engine (``KVZAP_COUNT_HOST_READS=1``, test_engine.py), around the
+backends' own methods."""
+
+from __future__ import annotations
+
+import torch
+
+from kvzap_export.integrations.host_reads import HostReads
+from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.kernels.ragged_attention import decode_attention
+
+
+def test_the_counter_sees_every_kind_of_read():
+    t = torch.arange(6)
+    with HostReads() as mode:
+        int(t[0]), bool(t[1]), float(t[2]), t.tolist(), t[3].item(), t.numpy(), [0, 1][t[1]]
+        t.to(torch.float32), t + 1, t.cpu(), t.to("cpu")  # not reads (a host tensor's copy to the host is a no-op)
+    assert mode.count == 7
+
+
+def one_decode_step(layers: int, requests: int) -> int:
+    """Prompts of different lengths decided, then one decode step; returns the reads that step made."""
+    from kvzap_export.integrations.sglang.ragged import StoreRows, build_step
+
+    heads, dim, group = 2, 8, 2
+    g = torch.Generator().manual_seed(layers * 100 + requests)
+    store = RaggedStore(20000, layers, heads, dim, rows=requests + 2, width=8)
+    aux = StoreRows(store, 1000)
+    rows = list(range(1, requests + 1))
+    prompts = [20 + 7 * r for r in rows]
+    aux.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(prompts))
+    aux.take_plan(prompts)
+    store.scores.normal_(generator=g)
+    store.decide_prefill(rows, 0.0, window=4)
+    with HostReads() as mode:
+        aux.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(prompts) + 1)
+        plan_rows, counts, new_ids = aux.take_plan((torch.tensor(prompts) + 1).tolist())
+        step = build_step(store, plan_rows, counts, new_ids, extend=False)
+        q = torch.randn(requests, heads * group, dim, generator=g)
+        for layer in range(layers):
+            ids = step.new_ids[layer].T.reshape(-1)
+            store.k.index_copy_(0, ids, torch.randn(ids.shape[0], dim, generator=g))
+            store.v.index_copy_(0, ids, torch.randn(ids.shape[0], dim, generator=g))
+            store.scores.index_copy_(0, ids, torch.randn(ids.shape[0], generator=g))
+            ids = store.layer_ids(step.slots, layer, step.widths[layer])
+            decode_attention(q, store.k, store.v, ids, step.lengths[:, layer], 0.3)
+        store.decide_decode(rows, 0.0, window=4)
+    return mode.count
+
+
+def test_a_ragged_decode_step_reads_a_constant_number_of_values():
+    counts = {(layers, requests): one_decode_step(layers, requests) for layers in (1, 4, 9) for requests in (1, 3, 8)}
+    assert len(set(counts.values())) == 1, counts
+    assert next(iter(counts.values())) <= 9  # a handful per step: the host mirror's widths, the decisions' lengths
