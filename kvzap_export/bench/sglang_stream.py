@@ -3,10 +3,13 @@
 Each run launches a real ``sglang.Engine`` (the engine environment's Python; ``integrations/sglang/driver``) with
 the same KV budget (``--max-total-tokens``) and server flags, and submits the same stream of requests at once
 (distinct prompts of ``prompt_tokens`` tokens, ``new_tokens`` greedy tokens each, ``ignore_eos``). Rounds
-interleave the configurations (dense, evict, ragged[, ragged at a second threshold], dense, ...), so that a
-slow period of the machine hits every configuration alike; every figure is given as the median over rounds with
-its spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on the fastest attention backend
-that runs here: each candidate serves a short probe stream first, and the faster one is the baseline.
+interleave the configurations (dense, evict, ragged[, ragged at a second threshold], ragged with KVzap off, dense,
+...), so that a slow period of the machine hits every configuration alike; every figure is given as the median
+over rounds with its spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on the fastest
+attention backend that runs here: each candidate serves a short probe stream first, and the faster one is the
+baseline. "Ragged, KVzap off" is the ragged mode's storage and attention with every request asking for KVzap off:
+it holds every entry, as dense does, so what it gains over dense is the implementation, and what ragged gains over
+it is the memory KVzap freed.
 """
 
 from __future__ import annotations
@@ -57,17 +60,19 @@ class StreamBench:
 
         self.bundle, self.model, self.python = str(Path(bundle).absolute()), str(Path(model).absolute()), python
         self.requests, self.prompt_tokens, self.new_tokens = requests, prompt_tokens, new_tokens
-        self.pool_tokens = pool_tokens or 8 * (prompt_tokens + new_tokens)
+        # 8 requests' worth: SGLang charges a request its prompt + max_new_tokens + 1 and admits while the next one is
+        # strictly below what is left, so 8 * (prompt + new) would fit 7 and leave most of a request's room unused.
+        self.pool_tokens = pool_tokens or 8 * (prompt_tokens + new_tokens + 2)
         self.prompts = stream_prompts(AutoTokenizer.from_pretrained(model), requests, prompt_tokens)
         self.engine = {"max_total_tokens": self.pool_tokens, "max_running_requests": requests,
                        "context_length": prompt_tokens + new_tokens + 16, **(engine or {})}
 
     def spec(self, mode: str, threshold: float | None = None, backend: str | None = None, requests: int | None = None,
-             new_tokens: int | None = None) -> dict:
+             new_tokens: int | None = None, choice: str = "decoding") -> dict:
         prompts = self.prompts[: requests or self.requests]
         engine = dict(self.engine, **({"attention_backend": backend} if backend else {}))
         return {"model": self.model, "bundle": self.bundle, "mode": mode, "threshold": threshold, "engine": engine,
-                "stream": [{"input_ids": p, "max_new_tokens": new_tokens or self.new_tokens, "kvzap": "decoding"}
+                "stream": [{"input_ids": p, "max_new_tokens": new_tokens or self.new_tokens, "kvzap": choice}
                            for p in prompts]}
 
     def provenance(self) -> dict:
@@ -107,17 +112,21 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine)
     dense = (bench.probe_dense(dense_backends, on_event) if len(dense_backends) > 1
              else {"candidates": {}, "chosen": dense_backends[0], "probe": None})
-    configs = [("dense", "dense", None, dense["chosen"]), ("evict", "evict", None, None), ("ragged", "ragged", None, None)]
+    # (label, mode, threshold, attention backend, each request's custom_params kvzap)
+    configs = [("dense", "dense", None, dense["chosen"], "decoding"), ("evict", "evict", None, None, "decoding"),
+               ("ragged", "ragged", None, None, "decoding")]
     if threshold is not None:
-        configs.append((f"ragged τ={threshold:g}", "ragged", threshold, None))
+        configs.append((f"ragged τ={threshold:g}", "ragged", threshold, None, "decoding"))
+    # The ragged mode's storage and attention with nothing pruned: what the implementation alone does at dense memory.
+    configs.append(("ragged, KVzap off", "ragged", None, None, "off"))
     runs, started = [], time.perf_counter()
     total = rounds * len(configs)
     for number in range(1, rounds + 1):
-        for label, mode, tau, backend in configs:
-            result = run_stream(python, bench.spec(mode, tau, backend))
+        for label, mode, tau, backend, choice in configs:
+            result = run_stream(python, bench.spec(mode, tau, backend, choice=choice))
             figures = run_figures(result)
-            runs.append({"round": number, "label": label, "mode": mode, "threshold": tau, "attention_backend":
-                         result["engine"]["args"].get("attention_backend"), "figures": figures})
+            runs.append({"round": number, "label": label, "mode": mode, "threshold": tau, "kvzap": choice,
+                         "attention_backend": result["engine"]["args"].get("attention_backend"), "figures": figures})
             if on_event:
                 elapsed = time.perf_counter() - started
                 eta = elapsed / len(runs) * (total - len(runs))

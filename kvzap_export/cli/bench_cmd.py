@@ -44,7 +44,8 @@ def _table(title: str, rows: list[dict]):
 @click.option("--prompt-tokens", default=1024, show_default=True, type=int, help="With --engine: tokens per prompt.")
 @click.option("--new-tokens", default=96, show_default=True, type=int, help="With --engine: greedy tokens per request.")
 @click.option("--pool-tokens", default=None, type=int,
-              help="With --engine: the KV budget in dense tokens (--max-total-tokens); default 8 requests' worth.")
+              help="With --engine: the KV budget in dense tokens (--max-total-tokens); default 8 requests' worth "
+                   "(8 x (prompt + new + 2): dense SGLang runs 8 at once).")
 @click.option("--rounds", default=3, show_default=True, type=int,
               help="With --engine: interleaved rounds (dense, evict, ragged, ...); figures are medians over them.")
 @click.option("--threshold", default=None, type=float,

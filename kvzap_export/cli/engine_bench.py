@@ -69,7 +69,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
             raise ConfigError(f"{name} {value}: must be a positive integer")
     interpreter = engine_python(python)
     backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
-    configs = 3 + (threshold is not None)
+    configs = 4 + (threshold is not None)
     say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
     say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens x {new_tokens} new tokens, "
         f"{rounds} interleaved rounds of {configs} configurations ({rounds * configs} engine launches"

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from kvzap_export.errors import ConfigError, InputError
+from kvzap_export.ops.compaction import keep_mask
 from kvzap_export.ops.formats import UniformSelection, trtllm_sparse_layout, uniform_selection
 
 LAYOUTS = ("ragged", "uniform")
@@ -203,7 +204,8 @@ class RequestState:
             raise InputError(f"scores changed dtype from {self.scores.dtype} to {new.dtype} within a request")
         width = int(self.counts.max()) + n
         grow = width - self.positions.shape[-1]
-        if grow > 0:
+        if grow > 0:  # room for this append and as many more (a decode step appends one: no copy every step)
+            grow = max(grow, self.positions.shape[-1])
             L, H = self.num_layers, self.num_kv_heads
             self.positions = torch.cat([self.positions, self.positions.new_full((L, H, grow), -1)], -1)
             self.scores = torch.cat([self.scores, self.scores.new_zeros((L, H, grow))], -1)
@@ -229,10 +231,13 @@ class RequestState:
             keep = torch.zeros(L, H, 0, dtype=torch.bool, device=self.counts.device)
         else:
             p = self.policy
-            # Row lengths never exceed P by construction: not read back to validate them (no sync per step).
-            rows = threshold_compaction(self.scores.reshape(L * H, 1, P), self.counts.reshape(L * H), p.threshold, p.window,
-                                        p.sink, check_lengths=False)
-            keep = rows.keep.reshape(L, H, P)
+            scores, lengths = self.scores.reshape(L * H, 1, P), self.counts.reshape(L * H)
+            if scores.is_cuda:
+                # Row lengths never exceed P by construction: not read back to validate them (no sync per step).
+                keep = threshold_compaction(scores, lengths, p.threshold, p.window, p.sink, check_lengths=False).keep
+            else:  # the op's own rule on the CPU, without the indices it would sort for (commit lays them out)
+                keep = keep_mask(scores, lengths, float(p.threshold), p.window, p.sink)
+            keep = keep.reshape(L, H, P)
             # A uniform extra (evicted earlier, held only as padding) never re-enters the rule's set.
             keep = keep & self.rule_kept
         local = int(keep.sum(-1).max()) if keep.numel() else 0
@@ -247,26 +252,46 @@ class RequestState:
         if self.policy.layout == "uniform":
             if P and bool((self.counts != self.counts[0, 0]).any()):
                 raise InputError("uniform layout with unequal row lengths; every row of a request must hold the same count")
-            length = torch.tensor([int(self.counts[0, 0]) if P else 0], device=keep.device)
-            counts = None if count is None else torch.tensor([count], device=keep.device)
-            sel = uniform_selection(self.scores[:, None], keep[:, None], length, counts)
-            indices = sel.indices[:, 0].to(torch.int64)  # [L, H, K]
-            new_counts = torch.full((L, H), int(sel.counts[0]), dtype=torch.int64, device=keep.device)
+            held = int(self.counts[0, 0]) if P else 0
+            if (count if count is not None else proposal.local_count) == held:
+                # Some row keeps every entry: the shared length cannot shrink, nothing moves (no sort needed).
+                indices = torch.arange(held, device=keep.device).expand(L, H, held)
+                new_counts = self.counts.clone()
+            else:
+                length = torch.tensor([held], device=keep.device)
+                counts = None if count is None else torch.tensor([count], device=keep.device)
+                sel = uniform_selection(self.scores[:, None], keep[:, None], length, counts)
+                indices = sel.indices[:, 0].to(torch.int64)  # [L, H, K]
+                new_counts = torch.full((L, H), int(sel.counts[0]), dtype=torch.int64, device=keep.device)
         else:
             if count is not None:
                 raise InputError("count= applies to the uniform layout only")
             new_counts = keep.sum(-1)
             k_max = int(new_counts.max()) if new_counts.numel() else 0
-            order = torch.argsort(torch.where(keep, pos, pos + P), dim=-1)[..., :k_max]
-            indices = torch.where(torch.arange(k_max, device=keep.device) < new_counts[..., None], order, -1)
+            # Kept entries in order: each one's rank among the kept is its new place (a scan, not a sort);
+            # the others land in a spare column.
+            rank = torch.where(keep, torch.cumsum(keep, -1) - 1, k_max)
+            indices = torch.full((L, H, k_max + 1), -1, dtype=torch.int64, device=keep.device)
+            indices.scatter_(-1, rank, pos.expand(L, H, P))
+            indices = indices[..., :k_max]
+        freed = int((before - new_counts).sum())
+        if freed == 0:  # every row keeps every entry, in place: only the rule's verdicts change
+            self.rule_kept = keep & (pos < new_counts[..., None])
+            return Decision(indices, new_counts.clone(), before, 0)
         valid = indices >= 0
         gather = indices.clamp(min=0)
-        self.positions = torch.where(valid, self.positions.gather(-1, gather), -1)
-        self.scores = torch.where(valid, self.scores.gather(-1, gather), torch.zeros((), dtype=self.scores.dtype,
-                                                                                        device=keep.device))
-        self.rule_kept = valid & keep.gather(-1, gather)
+        k = indices.shape[-1]
+        # Into the same buffers (their width is the room appends grow into), kept entries first, padding after.
+        positions = torch.where(valid, self.positions.gather(-1, gather), -1)
+        scores = torch.where(valid, self.scores.gather(-1, gather), torch.zeros((), dtype=self.scores.dtype,
+                                                                                  device=keep.device))
+        rule_kept = valid & keep.gather(-1, gather)
+        self.positions[..., :k], self.positions[..., k:] = positions, -1
+        self.scores[..., :k], self.scores[..., k:] = scores, 0
+        self.rule_kept = torch.zeros_like(self.positions, dtype=torch.bool)
+        self.rule_kept[..., :k] = rule_kept
         self.counts = new_counts
-        return Decision(indices, new_counts.clone(), before, int((before - new_counts).sum()))
+        return Decision(indices, new_counts.clone(), before, freed)
 
     # ---- views -----------------------------------------------------------------------------------
     def visible(self, layer: int, exact: bool = True) -> torch.Tensor:

@@ -73,8 +73,9 @@ def test_chunked_prefill_equals_one_shot(layout, decoding):
         one, chunked = run(policy, steps), run(policy, steps, chunks=cuts)
         assert torch.equal(visible_all(one), visible_all(chunked)) and torch.equal(one.counts, chunked.counts)
         if layout == "ragged":  # uniform extras may differ: a chunk's padding choice is made before later chunks exist
+            held = int(one.counts.max())  # the buffers' width past the longest row is room for appends
             for name in ("positions", "scores", "rule_kept"):
-                assert torch.equal(getattr(one, name), getattr(chunked, name)), (name, cuts)
+                assert torch.equal(getattr(one, name)[..., :held], getattr(chunked, name)[..., :held]), (name, cuts)
         assert one.logical_length == chunked.logical_length == 55 and chunked.prompt_length == 50
 
 

@@ -90,7 +90,7 @@ def test_trtllm_compression_flow(surrogate):
     assert request.py_num_compressed_tokens == 44 - length["physical"] == state.num_compressed_tokens > 0
     for layer, pool in enumerate(pools):
         dense = pool[pages].permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, DIM)[:, :, : length["physical"], 0]
-        assert torch.equal(dense[0].to(torch.int64), state.positions[layer])
+        assert torch.equal(dense[0].to(torch.int64), state.positions[layer][:, : length["physical"]])  # then -1 padding
     for h in handles:
         h.remove()
 
@@ -439,7 +439,7 @@ def test_trtllm_manager_compacts_through_the_executor_flow(stand_in_resource_man
     for layer, pool in enumerate(v2.pools):
         pages = torch.tensor(v2.pages[3])
         dense = pool[pages].permute(1, 2, 0, 3, 4).reshape(2, KV_HEADS, -1, DIM)[0, :, :physical, 0]
-        assert torch.equal(dense.to(torch.int64), state.positions[layer])
+        assert torch.equal(dense.to(torch.int64), state.positions[layer][:, :physical])  # past physical: -1 padding
 
 
 def test_trtllm_manager_refuses_the_overlap_scheduler(stand_in_resource_manager):
