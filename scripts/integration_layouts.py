@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from pydoc_data.topics import topics
 
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState
+from kvzap_export.integrations.core import KVzapPolicy, RequestState
+from kvzap_export.integrations.scoring import BundleScorer
 from kvzap_export.llm import capture_hidden_states, load_llm
 from kvzap_export.presets import load_preset
 from kvzap_export.surrogate import load_surrogate, resolve_weights

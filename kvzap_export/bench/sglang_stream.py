@@ -9,7 +9,8 @@ over rounds with its spread (``stream_figures``). Dense is SGLang without KVzap 
 attention backend that runs here: each candidate serves a short probe stream first, and the faster one is the
 baseline. "Ragged, KVzap off" is the ragged mode's storage and attention with every request asking for KVzap off:
 it holds every entry, as dense does, so what it gains over dense is the implementation, and what ragged gains over
-it is the memory KVzap freed.
+it is the memory KVzap freed. "Ragged at dense's concurrency" caps the ragged mode at the requests dense ran at
+once in that round (``--max-running-requests``), so that its decode step is timed at dense's batch size.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class StreamBench:
                        "context_length": prompt_tokens + new_tokens + 16, **(engine or {})}
 
     def spec(self, mode: str, threshold: float | None = None, backend: str | None = None, requests: int | None = None,
-             new_tokens: int | None = None, choice: str = "decoding") -> dict:
+             new_tokens: int | None = None, choice: str = "decoding", running: int | None = None) -> dict:
         prompts = self.prompts[: requests or self.requests]
         engine = dict(self.engine, **({"attention_backend": backend} if backend else {}))
+        if running:
+            engine["max_running_requests"] = running
         return {"model": self.model, "bundle": self.bundle, "mode": mode, "threshold": threshold, "engine": engine,
                 "stream": [{"input_ids": p, "max_new_tokens": new_tokens or self.new_tokens, "kvzap": choice}
                            for p in prompts]}
@@ -112,20 +115,27 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine)
     dense = (bench.probe_dense(dense_backends, on_event) if len(dense_backends) > 1
              else {"candidates": {}, "chosen": dense_backends[0], "probe": None})
-    # (label, mode, threshold, attention backend, each request's custom_params kvzap)
-    configs = [("dense", "dense", None, dense["chosen"], "decoding"), ("evict", "evict", None, None, "decoding"),
-               ("ragged", "ragged", None, None, "decoding")]
+    # (label, mode, threshold, attention backend, each request's custom_params kvzap, cap on running requests)
+    configs = [("dense", "dense", None, dense["chosen"], "decoding", None), ("evict", "evict", None, None, "decoding", None),
+               ("ragged", "ragged", None, None, "decoding", None)]
     if threshold is not None:
-        configs.append((f"ragged τ={threshold:g}", "ragged", threshold, None, "decoding"))
+        configs.append((f"ragged τ={threshold:g}", "ragged", threshold, None, "decoding", None))
     # The ragged mode's storage and attention with nothing pruned: what the implementation alone does at dense memory.
-    configs.append(("ragged, KVzap off", "ragged", None, None, "off"))
+    configs.append(("ragged, KVzap off", "ragged", None, None, "off", None))
+    # The ragged mode held to the requests dense ran at once: its decode step next to dense's at the same batch.
+    configs.append(("ragged at dense's concurrency", "ragged", None, None, "decoding", "dense"))
     runs, started = [], time.perf_counter()
     total = rounds * len(configs)
     for number in range(1, rounds + 1):
-        for label, mode, tau, backend, choice in configs:
-            result = run_stream(python, bench.spec(mode, tau, backend, choice=choice))
+        dense_running = None
+        for label, mode, tau, backend, choice, running in configs:
+            cap = dense_running if running == "dense" else None
+            result = run_stream(python, bench.spec(mode, tau, backend, choice=choice, running=cap))
             figures = run_figures(result)
+            if label == "dense":
+                dense_running = figures["max_running"]
             runs.append({"round": number, "label": label, "mode": mode, "threshold": tau, "kvzap": choice,
+                         "max_running_requests": result["engine"]["args"].get("max_running_requests"),
                          "attention_backend": result["engine"]["args"].get("attention_backend"), "figures": figures})
             if on_event:
                 elapsed = time.perf_counter() - started

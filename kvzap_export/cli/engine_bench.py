@@ -69,8 +69,8 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
             raise ConfigError(f"{name} {value}: must be a positive integer")
     interpreter = engine_python(python)
     backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
-    configs = 4 + (threshold is not None)
-    say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
+    configs = 5 + (threshold is not None)
+    say = lambda line: click.echo(line, err=True)  # noqa: E731  (stderr: --json's document goes to stdout)
     say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens x {new_tokens} new tokens, "
         f"{rounds} interleaved rounds of {configs} configurations ({rounds * configs} engine launches"
         f"{', after a dense backend probe' if len(backends) > 1 else ''})")

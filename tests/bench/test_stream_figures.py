@@ -78,3 +78,29 @@ def test_a_prompt_in_chunks_counts_what_its_last_chunk_left():
     run = {"readings": lines, "stream": [{"rid": "r0", "output_ids": [1, 1], "finish": "length", "t_submit": 100.0}],
            "wall_seconds": 3.0, "engine": {"launch_seconds": 1.0}}
     assert run_figures(run)["kv_held_after_prefill"] == 33
+
+
+def test_the_report_script_shows_every_run_and_ratio():
+    """scripts/sglang_stream_report.py renders a bench document: each run's figures and the ratios appear."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[2] / "scripts" / "sglang_stream_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = [{"round": n, "label": label, "mode": label, "threshold": None, "attention_backend": "torch_native",
+             "figures": run_figures(result(label == "ragged", speed))}
+            for n, speed in ((1, 1.0), (2, 2.0)) for label in ("dense", "ragged")]
+    summary = summarize(runs)
+    doc = {"machine": "test machine", "date": "2026-11-25", "runs": runs, "summary": summary, "vs_dense": compare(summary, runs),
+           "dense_backend": {"candidates": {"torch_native": {"tokens_per_s": 2.0, "wall_s": 1.0},
+                                            "flex_attention": {"error": "no"}}, "chosen": "torch_native",
+                             "probe": {"requests": 8, "new_tokens": 32}},
+           "settings": {"requests": 2, "prompt_tokens": 10, "new_tokens": 4, "pool_tokens": 100, "rounds": 2,
+                        "engine_args": {}, "prompts_sha256": "ab" * 32, "prompt_source": "test",
+                        "surrogate": {"variant": "mlp", "sha256": "cd" * 32}, "pruning": {"threshold": -4}}}
+    text = module.report(doc)
+    assert "torch_native: 2.00 tokens/s" in text and "flex_attention: failed (no)" in text
+    assert text.count("| 1 | dense |") == 1 and text.count("| 2 | ragged |") == 1
+    assert "| output tokens/s (ratio of medians) | 1.00 |" in text  # ragged at the same speed as dense here
+    assert "round 2, ragged: decode 1: 1 × 0.500, 2: 2 × 0.750; prefill 2 × 0.50" in text

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from kvzap_export.errors import ConfigError, InputError
-from kvzap_export.integrations.core import (
-    BundleScorer, KVzapPolicy, RequestState, SlotScores, StepScores, budget_selection, context_budget, sparse_layout,
-    tp_head_range,
-)
+from kvzap_export.integrations.core import KVzapPolicy, RequestState, budget_selection, context_budget, sparse_layout
+from kvzap_export.integrations.scoring import BundleScorer, SlotScores, StepScores, tp_head_range
 from tests.helpers import HostReads
 from tests.integrations.kvpress_reference import kvpress_masked
 

@@ -61,7 +61,8 @@ def _feed(state, scores: torch.Tensor, prompt_len: int, chunks, on_step) -> None
 
 
 def test_core_reproduces_kvpress_decisions(reference_inputs):
-    from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, sparse_layout
+    from kvzap_export.integrations.core import KVzapPolicy, RequestState, sparse_layout
+    from kvzap_export.integrations.scoring import BundleScorer
     from kvzap_export.surrogate import load_surrogate
 
     llm, weights, ids = reference_inputs

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
+from kvzap_export.integrations.core import KVzapPolicy
+from kvzap_export.integrations.scoring import BundleScorer
 from tests.integrations.glue_shapes import DIM, HIDDEN, KV_HEADS, LAYERS, WINDOW
-from tests.integrations.kvpress_reference import kvpress_masked
 
 
 

@@ -83,6 +83,9 @@ def test_triton_decode_kernel_equals_the_torch_path(case):
     got = ragged_decode_attention_triton(*args, scale).cpu()
     want = ragged_decode_attention(q, k_store, v_store, ids, lengths, scale)
     assert torch.allclose(got, want, atol=2e-6, rtol=2e-6), (got - want).abs().max()
+    # and against the batched torch path the CPU engine runs (same ids layout: one call per layer for the batch)
+    fast = decode_attention(q, k_store, v_store, ids.clamp(min=0), lengths, scale)
+    assert torch.allclose(got, fast, atol=2e-6, rtol=2e-6), (got - fast).abs().max()
     assert torch.equal(got[lengths.repeat_interleave(q.shape[1] // ids.shape[1], dim=1) == 0],
                        torch.zeros_like(got[lengths.repeat_interleave(q.shape[1] // ids.shape[1], dim=1) == 0]))
 

@@ -30,6 +30,7 @@ import torch
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 
@@ -140,8 +141,6 @@ class RaggedKVzapSGLang(KVzapSGLang):
     @counted("forward")
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
         """Scores the forward's new tokens into the store, next to their entries (no slot-indexed buffer)."""
-        from kvzap_export.integrations.core import check_hidden_states
-
         check_hidden_states(hidden_states, f"layer {layer}")
         step = _STEP
         if step is None or step.new_ids.shape[-1] == 0:

@@ -27,7 +27,8 @@ from http import HTTPStatus
 import torch
 
 from kvzap_export.errors import ConfigError, InputError
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy, RequestState, SlotScores, check_hidden_states
+from kvzap_export.integrations.core import KVzapPolicy, RequestState
+from kvzap_export.integrations.scoring import BundleScorer, SlotScores, check_hidden_states
 from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.server_setup import ServerSetup

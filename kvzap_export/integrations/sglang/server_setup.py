@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvzap_export.integrations.core import UNQUANTIZED_DTYPES
+from kvzap_export.integrations.scoring import UNQUANTIZED_DTYPES
 from kvzap_export.integrations.sglang.api import sglang_module
 
 

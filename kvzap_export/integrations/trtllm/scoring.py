@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from kvzap_export.errors import ConfigError
-from kvzap_export.integrations.core import BundleScorer, StepScores, check_hidden_states
+from kvzap_export.integrations.scoring import BundleScorer, StepScores, check_hidden_states
 from kvzap_export.integrations.trtllm import process
 
 

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvzap_export.integrations.core import BundleScorer, KVzapPolicy
+from kvzap_export.integrations.core import KVzapPolicy
+from kvzap_export.integrations.scoring import BundleScorer
 from kvzap_export.integrations.sglang.masking import decode_block_masks, decode_view
 from kvzap_export.kernels.ragged_attention import decode_attention
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang, request_choice

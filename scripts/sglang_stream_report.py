@@ -1,0 +1,115 @@
+"""Every figure of a ``kvzap-export bench --engine sglang --json`` document as Markdown (for docs/benchmarks.md).
+
+    python scripts/sglang_stream_report.py docs/bench/sglang-stream-DATE.json > section.md
+
+Prints the settings and provenance, the dense backend probe, the medians with their spread per configuration,
+the ratios against dense, the decode step per batch size, the bytes of every buffer, and each run's figures
+(including each prefill step), so that the page shows all that the JSON holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+SCALARS = (("output tokens/s (whole stream)", "tokens_per_s", 2), ("requests/s", "requests_per_s", 3),
+           ("wall (s)", "wall_s", 1), ("TTFT p50 (s)", "ttft_p50_s", 2), ("TTFT p90 (s)", "ttft_p90_s", 2),
+           ("inter-token p50 (s)", "itl_p50_s", 3), ("inter-token p90 (s)", "itl_p90_s", 3),
+           ("most running at once", "max_running", 0), ("K/V entries after a prompt (mean)", "kv_held_after_prefill", 0),
+           ("K/V entries at the peak", "kv_peak_entries", 0), ("freed at each request's peak", "freed_at_peak", 3),
+           ("prefill s per 1k prompt tokens", "prefill_s_per_1k_tokens", 3), ("prefill s (all extend steps)", "prefill_s", 1))
+
+
+def number(value, digits: int) -> str:
+    if value is None:
+        return "–"
+    if digits == 0:
+        return f"{value:,.0f}"
+    return f"{value:,.{digits}f}"
+
+
+def spread(entry: dict, digits: int) -> str:
+    if entry["median"] is None:
+        return "–"
+    if entry["min"] == entry["max"]:
+        return number(entry["median"], digits)
+    return f"{number(entry['median'], digits)} [{number(entry['min'], digits)}–{number(entry['max'], digits)}]"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(doc: dict) -> str:
+    settings, summary, versus, runs = doc["settings"], doc["summary"], doc["vs_dense"], doc["runs"]
+    labels = list(summary)
+    out = [f"Machine: {doc['machine']}. Date: {doc['date']}. Settings: {settings['requests']} requests × "
+           f"{settings['prompt_tokens']} prompt tokens × {settings['new_tokens']} new tokens, pool "
+           f"{settings['pool_tokens']:,} dense tokens, {settings['rounds']} interleaved rounds; engine arguments "
+           f"`{json.dumps(settings['engine_args'])}`; prompts sha256 `{settings['prompts_sha256'][:16]}…` "
+           f"({settings['prompt_source']}); surrogate {settings['surrogate']['variant']} sha256 "
+           f"`{(settings['surrogate']['sha256'] or '')[:16]}…`; pruning `{json.dumps(settings['pruning'])}`.", ""]
+    probe = doc["dense_backend"]
+    if probe["candidates"]:
+        found = "; ".join(f"{name}: " + (f"{c['tokens_per_s']:.2f} tokens/s, wall {c['wall_s']:.1f} s" if "tokens_per_s" in c
+                                         else f"failed ({c['error']})") for name, c in probe["candidates"].items())
+        out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend, the faster on a probe stream "
+                f"({probe['probe']['requests']} requests × {probe['probe']['new_tokens']} new tokens): {found}.", ""]
+    else:
+        out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend (chosen on the command line).", ""]
+    out += ["Medians over rounds [min–max]:", "",
+            table(["figure", *labels], [[name, *[spread(summary[label][key], digits) for label in labels]]
+                                        for name, key, digits in SCALARS]), ""]
+    ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [["output tokens/s (ratio of medians)", *[ratio(versus[label]["tokens_per_s_ratio"]) for label in versus]],
+            ["output tokens/s, ratio within each round",
+             *[", ".join(f"{v:.2f}" for v in versus[label]["tokens_per_s_ratio_per_round"]) for label in versus]],
+            ["most running at once", *[ratio(versus[label]["running_ratio"]) for label in versus]],
+            ["predicted from the memory freed, 1 / (1 − freed at peak)",
+             *[ratio(versus[label]["running_ratio_predicted"]) for label in versus]],
+            ["running / predicted", *[ratio(versus[label]["running_vs_predicted"]) for label in versus]],
+            ["prefill time per 1k prompt tokens", *[ratio(versus[label]["prefill_ratio"]) for label in versus]],
+            ["decode step at equal batch (batch: ratio)",
+             *[", ".join(f"{n}: {r:.2f}" for n, r in versus[label]["decode_step_ratio_at_equal_batch"].items()) or "–"
+               for label in versus]]]
+    out += ["Against dense:", "", table(["figure", *versus], rows), ""]
+    sizes = sorted({n for label in labels for n in summary[label]["decode_step_s"]}, key=int)
+    out += ["Decode step (s) per batch size, medians over rounds [min–max]:", "",
+            table(["batch", *labels], [[n, *[spread(summary[label]["decode_step_s"][n], 3)
+                                             if n in summary[label]["decode_step_s"] else "–" for label in labels]]
+                                       for n in sizes]), ""]
+    names = sorted({k for label in labels for k in summary[label]["bytes"]})
+    out += ["Bytes of every buffer at the busiest step (largest over rounds):", "",
+            table(["buffer", *labels], [[name, *[number(summary[label]["bytes"].get(name), 0) for label in labels]]
+                                        for name in names] + [["total", *[number(sum(summary[label]["bytes"].values()), 0)
+                                                                         for label in labels]]]), ""]
+    keys = ("tokens_per_s", "requests_per_s", "wall_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "max_running",
+            "kv_held_after_prefill", "kv_peak_entries", "kv_pool_entries", "freed_at_peak", "prefill_s_per_1k_tokens",
+            "prefill_s", "output_tokens", "finished", "launch_s")
+    out += ["Each run, in the order they ran:", "",
+            table(["round", "configuration", "backend", *keys],
+                  [[str(r["round"]), r["label"], str(r["attention_backend"]),
+                    *[number(r["figures"][k], 3) if isinstance(r["figures"][k], float) else str(r["figures"][k])
+                      for k in keys]] for r in runs]), ""]
+    out += ["Each run's decode steps (batch: steps, median s) and prefill steps (prompts × seconds):", ""]
+    for r in runs:
+        f = r["figures"]
+        decode = ", ".join(f"{n}: {f['decode_steps'][n]} × {f['decode_step_s'][n]:.3f}" for n in f["decode_step_s"])
+        prefill = ", ".join(f"{e['prompts']} × {e['seconds']:.2f}" for e in f["extend_steps"])
+        out.append(f"- round {r['round']}, {r['label']}: decode {decode}; prefill {prefill}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python scripts/sglang_stream_report.py BENCH.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as handle:
+        sys.stdout.write(report(json.load(handle)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
