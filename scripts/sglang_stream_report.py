@@ -9,6 +9,7 @@ the ratios against dense, the decode step per batch size, the bytes of every buf
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -103,11 +104,23 @@ def report(doc: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python scripts/sglang_stream_report.py BENCH.json", file=sys.stderr)
-        return 2
-    with open(argv[0]) as handle:
-        sys.stdout.write(report(json.load(handle)))
+    parser = argparse.ArgumentParser(description="Render every figure of a `kvzap-export bench --engine sglang "
+                                                 "--json` document as Markdown on stdout.")
+    parser.add_argument("bench_json", help="the JSON written by `kvzap-export bench --engine sglang --json`")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.bench_json) as handle:
+            doc = json.load(handle)
+    except OSError as error:
+        parser.exit(2, f"error: cannot read {args.bench_json}: {error.strerror}\n")
+    except json.JSONDecodeError as error:
+        parser.exit(2, f"error: {args.bench_json} is not JSON ({error.msg} at line {error.lineno}); "
+                       "give the file `kvzap-export bench --engine sglang --json` wrote\n")
+    missing = [key for key in ("settings", "summary", "vs_dense", "runs") if not isinstance(doc, dict) or key not in doc]
+    if missing:
+        parser.exit(2, f"error: {args.bench_json} lacks {', '.join(missing)}: not a `bench --engine sglang --json` "
+                       "document\n")
+    sys.stdout.write(report(doc))
     return 0
 
 

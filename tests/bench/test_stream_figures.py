@@ -80,14 +80,19 @@ def test_a_prompt_in_chunks_counts_what_its_last_chunk_left():
     assert run_figures(run)["kv_held_after_prefill"] == 33
 
 
-def test_the_report_script_shows_every_run_and_ratio():
-    """scripts/sglang_stream_report.py renders a bench document: each run's figures and the ratios appear."""
+def report_script():
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[2] / "scripts" / "sglang_stream_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_report_script_shows_every_run_and_ratio():
+    """scripts/sglang_stream_report.py renders a bench document: each run's figures and the ratios appear."""
+    module = report_script()
     runs = [{"round": n, "label": label, "mode": label, "threshold": None, "attention_backend": "torch_native",
              "figures": run_figures(result(label == "ragged", speed))}
             for n, speed in ((1, 1.0), (2, 2.0)) for label in ("dense", "ragged")]
@@ -104,3 +109,17 @@ def test_the_report_script_shows_every_run_and_ratio():
     assert text.count("| 1 | dense |") == 1 and text.count("| 2 | ragged |") == 1
     assert "| output tokens/s (ratio of medians) | 1.00 |" in text  # ragged at the same speed as dense here
     assert "round 2, ragged: decode 1: 1 × 0.500, 2: 2 × 0.750; prefill 2 × 0.50" in text
+
+
+@pytest.mark.parametrize("content, says", [(None, "cannot read"), ("{", "is not JSON"),
+                                           ('{"runs": []}', "lacks settings, summary, vs_dense")])
+def test_the_report_script_refuses_what_is_not_a_bench_document(tmp_path, capsys, content, says):
+    """A missing file, broken JSON or another JSON document: exit 2, one line naming the file, nothing on stdout."""
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        report_script().main([str(path)])
+    captured = capsys.readouterr()
+    assert stop.value.code == 2 and captured.out == ""
+    assert says in captured.err and str(path) in captured.err and len(captured.err.strip().splitlines()) == 1
