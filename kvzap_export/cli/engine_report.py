@@ -29,8 +29,7 @@ def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, dev
     elif not quiet:
         click.echo(report.read_text(), err=True)
     # The engine level's result goes through the same three-state verdict as every other level.
-    from kvzap_export.cli.validate_cmd import verdict_error
-    from kvzap_export.validate.checks import Check, not_run, verdict
+    from kvzap_export.validate.checks import Check, not_run, verdict, verdict_error
 
     status = result["status"] if result["status"] in ("passed", "failed") else "skipped"
     check = Check(f"engine:{engine}:{mode}", "engine", status,

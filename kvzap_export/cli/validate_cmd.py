@@ -7,18 +7,6 @@ import json
 import click
 
 
-def verdict_error(report: dict, where: str):
-    """The typed error for a verdict that is not ``passed`` (None when it is)."""
-    from kvzap_export.errors import ValidationFailedError, ValidationIncompleteError
-
-    if report["verdict"] == "failed":
-        return ValidationFailedError(f"validation failed: {', '.join(report['failed'])}; see {where}")
-    if report["verdict"] == "incomplete":
-        missing = ", ".join(n["check"] for n in report["not_run"])
-        return ValidationIncompleteError(f"validation incomplete: nothing failed, but {missing} did not run; see {where} for why")
-    return None
-
-
 @click.command()
 @click.argument("bundle", type=click.Path())
 @click.option("--backends", default=None,
@@ -76,7 +64,7 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
     1 failed, 3 incomplete (nothing failed, something did not run), 2 a usage error.
     """
     from kvzap_export.cli.progress import progress_bars
-    from kvzap_export.validate.checks import parse_levels
+    from kvzap_export.validate.checks import parse_levels, verdict_error
     from kvzap_export.validate.run import parse_backends, validate_bundle
 
     if engine is not None:

@@ -27,25 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from kvzap_export.errors import InputError
-
-
-def _check(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor) -> int:
-    if q.dim() != 3 or k_store.dim() != 2 or v_store.dim() != 2 or k_store.shape[0] != v_store.shape[0]:
-        raise InputError(f"ragged attention: q [tokens, q_heads, D], stores [E, D]; got {list(q.shape)}, "
-                         f"{list(k_store.shape)}, {list(v_store.shape)}")
-    if q.shape[-1] != k_store.shape[-1]:
-        raise InputError(f"ragged attention: query head dim {q.shape[-1]} != key head dim {k_store.shape[-1]}")
-    heads = ids.shape[-2]
-    if q.shape[1] % heads:
-        raise InputError(f"ragged attention: {q.shape[1]} query heads do not group over {heads} KV heads")
-    return q.shape[1] // heads
+from kvzap_export.kernels.ragged_shapes import query_group
 
 
 def ragged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
                             lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """The formula, in float32: q [B, q_heads, D]; ids int [B, kv_heads, n] (entries past ``lengths[b, h]`` are
     ignored); lengths int [B, kv_heads]. Returns [B, q_heads, Dv] in q's dtype."""
-    group = _check(q, k_store, v_store, ids)
+    group = query_group(q, k_store, v_store, ids)
     B, Hq, D = q.shape
     H, n = ids.shape[1], ids.shape[2]
     safe = ids.clamp(min=0).to(torch.int64)
@@ -65,12 +54,12 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     the stores' dtype the key gather may reuse (at least B * kv_heads * W * D elements; a fresh allocation of
     that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
     besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only."""
-    group = _check(q, k_store, v_store, ids)
+    group = query_group(q, k_store, v_store, ids)
     if q.is_cuda and visible is None:
-        from kvzap_export.kernels import triton_ragged_attention as tr
+        from kvzap_export.kernels import triton_ragged_attention  # imports triton: only where it can run
 
-        if tr.triton is not None:
-            return tr.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
+        if triton_ragged_attention.triton is not None:
+            return triton_ragged_attention.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
     B, Hq, D = q.shape
     H, W = ids.shape[1], ids.shape[2]
     if W == 0:

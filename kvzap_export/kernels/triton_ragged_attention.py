@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvzap_export.errors import MissingDependencyError
-from kvzap_export.kernels.ragged_attention import _check
+from kvzap_export.kernels.ragged_shapes import query_group
 
 try:
     import triton
@@ -74,7 +74,7 @@ def ragged_decode_attention_triton(q: torch.Tensor, k_store: torch.Tensor, v_sto
     Returns [B, q_heads, Dv] in q's dtype."""
     if triton is None:
         raise MissingDependencyError("the ragged attention kernel needs triton: pip install 'kvzap-export[gpu]'")
-    group = _check(q, k_store, v_store, ids)
+    group = query_group(q, k_store, v_store, ids)
     B, Hq, D = q.shape
     H = ids.shape[1]
     DV = v_store.shape[-1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvzap_export.errors import ConfigError
+from kvzap_export.errors import ConfigError, ValidationFailedError, ValidationIncompleteError
 
 # The levels a report may hold, in the order they run. ``engine`` is a real serving engine (SGLang).
 LEVELS = ("bundle", "operator", "decision", "model", "engine")
@@ -80,3 +80,14 @@ def verdict(checks: list[Check]) -> str:
 def not_run(checks: list[Check]) -> list[dict[str, str]]:
     """What did not run and why, for the report's first lines."""
     return [{"check": c.name, "level": c.level, "reason": c.detail.get("reason", "")} for c in checks if not c.ran]
+
+
+def verdict_error(report: dict, where: str):
+    """The typed error for a report's verdict that is not ``passed`` (None when it is); ``where``: the file
+    that says why."""
+    if report["verdict"] == "failed":
+        return ValidationFailedError(f"validation failed: {', '.join(report['failed'])}; see {where}")
+    if report["verdict"] == "incomplete":
+        missing = ", ".join(n["check"] for n in report["not_run"])
+        return ValidationIncompleteError(f"validation incomplete: nothing failed, but {missing} did not run; see {where} for why")
+    return None

@@ -3,13 +3,8 @@ the one guarded import of TensorRT-LLM."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations._lazy import import_engine
-
-if TYPE_CHECKING:
-    from kvzap_export.integrations.trtllm.scoring import KVzapScorer
 
 TRTLLM_SPARSE_VERSION = "1.2.1"
 TRTLLM_COMPRESSION_TARGET = "main after v1.2.1 (KV-cache compression framework)"
@@ -27,8 +22,9 @@ def engine_module(module: str):
     return import_engine(module, "KVzap's TensorRT-LLM integration", INSTALL)
 
 
-def scorer() -> KVzapScorer:
-    """The process's scorer (created by ``install`` / ``install_sparse_kv``)."""
+def scorer():
+    """The process's ``scoring.KVzapScorer`` (created by ``install`` / ``install_sparse_kv``); not imported here:
+    ``scoring`` imports this module."""
     if "scorer" not in STATE:
         raise ConfigError("KVzap's TensorRT-LLM glue is not installed in this process; call install(bundle)")
     return STATE["scorer"]
