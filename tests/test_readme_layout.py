@@ -41,3 +41,18 @@ def test_readme_layout_matches_a_real_bundle(tmp_path):
     assert missing == [], f"in the README, not in the bundle: {missing}"
     # the test extras install matplotlib and polygraphy: the optional report parts exist here
     assert {"report/scores.png", "report/compression.png", "report/polygraphy/layer_000_inputs.json"} <= set(files)
+
+
+def test_readme_says_what_no_validate_exits_with(tmp_path, capsys):
+    """The README's exit codes, line by line, for the one case that is not the verdict's code: --no-validate writes
+    the bundle with the verdict 'incomplete' and exits 0, as the README says (it used to say only 'incomplete: 3')."""
+    import json
+
+    text = " ".join(README.read_text().split())
+    assert "`--no-validate` runs no check, records the verdict `incomplete` in the manifest, says so in one line and exits 0" in text
+    (tmp_path / "small.yaml").write_text(SMALL)
+    weights = synthetic_checkpoint(load_preset(str(tmp_path / "small.yaml")), "mlp", tmp_path / "w")
+    out = tmp_path / "engine"
+    assert main(["--model", str(tmp_path / "small.yaml"), "--weights", str(weights), "--out", str(out), "--no-validate"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["parity"]["verdict"] == "incomplete"
+    assert "not validated (--no-validate)" in capsys.readouterr().err.splitlines()[-1]

@@ -47,6 +47,20 @@ def engine_python(given: str | None) -> str:
     return sys.executable
 
 
+def check_engine_gpu(interpreter: str) -> None:
+    """``--device cuda``: the engine's own Python must see a CUDA GPU (this process's torch may be a CPU build), else
+    a one-line usage error before anything starts."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+    try:
+        code = subprocess.run([interpreter, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=300).returncode
+    except subprocess.TimeoutExpired:
+        code = None
+    if code != 0:
+        why = "sees no CUDA GPU" if code == 3 else "could not import torch to look for a GPU"
+        raise ConfigError(f"--device cuda: the engine's Python ({interpreter}) {why}; use --device cpu")
+
+
 def load_prompts(path: str | None, reference: dict | None) -> list[dict]:
     """The prompts to run: the reference's prompt ids by default, or the strings of a JSON list file."""
     if path is None:
@@ -176,6 +190,8 @@ def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {new_tokens!r} must be a positive integer")
     interpreter = engine_python(python)
+    if device == "cuda":
+        check_engine_gpu(interpreter)
     spec = {"model": str(Path(model).absolute()), "bundle": str(Path(bundle).absolute()), "mode": mode,
             "prompts": [{k: v for k, v in p.items() if k != "source"} for p in chosen], "runs": [r for r, _ in RUNS],
             "max_new_tokens": new_tokens, "engine": engine_args or {}}

@@ -36,3 +36,26 @@ def test_engine_level_exit_code_follows_its_status(bundle, monkeypatch, capsys, 
     assert (bundle / "report" / "engine-sglang-mask.json").is_file()
     if code:
         assert captured.err.count("\n") == 1 and "engine-sglang-mask.md" in captured.err
+
+
+def test_engine_level_on_cuda_without_a_gpu_is_a_usage_error(bundle, capsys):
+    """--device cuda where the engine's Python sees no GPU: exit 2, one line, before any engine starts (it used to
+    start the engine, which failed: exit 1). The probe runs the interpreter given; here this one, torch's CPU build."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the probe passes here")
+    (bundle / "config.json").write_text("{}")  # a model directory, as --model wants
+    code = main(["validate", str(bundle), "--engine", "sglang", "--model", str(bundle), "--device", "cuda",
+                 "--engine-python", sys.executable, "--prompts", str(write_prompts(bundle)), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--device cuda" in err and "sees no CUDA GPU" in err
+    assert not (bundle / "report" / "engine-sglang-mask.json").exists()
+
+
+def write_prompts(bundle):
+    path = bundle / "prompts.json"
+    path.write_text(json.dumps(["a prompt"]))
+    return path
