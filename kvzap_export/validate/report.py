@@ -52,6 +52,33 @@ def _device_line(device: dict) -> str:
     return ", ".join(parts)
 
 
+def _layers_line(layers: list[dict]) -> str:
+    """One line for every surrogate layer's operator check: ✓ only when each layer ran and passed; a mix of
+    passed and not run is shown as not run, naming the layers that did not run and why."""
+    failed = [c for c in layers if c["status"] == "failed"]
+    skipped = [c for c in layers if c["status"] == "skipped"]
+    ran = [c for c in layers if c["status"] != "skipped"]
+    status = "failed" if failed else "skipped" if skipped else "passed"
+    line = f"- {_MARK[status]} surrogate layers ({len(layers)}) vs PyTorch"
+    if ran:
+        worst = max(c["detail"].get("max_abs_error", 0.0) for c in ran)
+        source = ran[0]["detail"].get("hidden_states")
+        line += (f": {len(ran)} ran, max abs error {worst:.2e}"
+                 + (f" (random and {source} hidden states)" if source and source != "random only" else ""))
+    if failed:
+        line += f"; failed: {', '.join(c['name'] for c in failed)}"
+    if skipped:
+        reasons = sorted({c["detail"].get("reason", "") for c in skipped})
+        line += f"; did not run: {_layer_names(skipped)} ({'; '.join(reasons)})"
+    return line
+
+
+def _layer_names(layers: list[dict]) -> str:
+    if len(layers) > 6:
+        return f"{len(layers)} layers ({layers[0]['name']} … {layers[-1]['name']})"
+    return ", ".join(c["name"] for c in layers)
+
+
 def _markdown(report: dict) -> str:
     state = report.get("verdict", "passed" if report.get("passed") else "failed")
     lines = [f"# Parity report: {VERDICT_LINE[state]}", ""]
@@ -71,14 +98,7 @@ def _markdown(report: dict) -> str:
         operator_layers = [c for c in checks if c["name"].startswith("operator:surrogate_layer_")]
         others = [c for c in checks if c not in operator_layers]
         if operator_layers:
-            failed = [c for c in operator_layers if c["status"] == "failed"]
-            status = "failed" if failed else operator_layers[0]["status"]
-            worst = max((c["detail"].get("max_abs_error", 0.0) for c in operator_layers), default=0.0)
-            source = operator_layers[0]["detail"].get("hidden_states")
-            lines.append(f"- {_MARK[status]} surrogate layers ({len(operator_layers)}) vs PyTorch: max abs error {worst:.2e}"
-                         + (f" (random and {source} hidden states)" if source and source != "random only" else "")
-                         + (f"; failed: {', '.join(c['name'] for c in failed)}" if failed else "")
-                         + (f" (did not run: {operator_layers[0]['detail'].get('reason')})" if status == "skipped" else ""))
+            lines.append(_layers_line(operator_layers))
         for check in others:
             lines.append(f"- {_MARK[check['status']]} {check['name']}: {_headline(check)}")
         lines.append("")
