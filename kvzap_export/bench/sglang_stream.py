@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from kvzap_export.bench.stream_figures import compare, run_figures, summarize
+from kvzap_export.errors import ConfigError
 
 MODES = ("dense", "evict", "ragged")
 CPU_DENSE_BACKENDS = ("torch_native", "flex_attention")  # SGLang's attention backends that run on a CPU here
@@ -130,6 +131,9 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
         dense_running = None
         for label, mode, tau, backend, choice, running in configs:
             cap = dense_running if running == "dense" else None
+            if running == "dense" and not cap:
+                raise ConfigError("'ragged at dense's concurrency' needs dense's most running requests of the round, "
+                                  "but dense ran no decode step; give --new-tokens 2 or more")
             result = run_stream(python, bench.spec(mode, tau, backend, choice=choice, running=cap))
             figures = run_figures(result)
             if label == "dense":

@@ -67,6 +67,9 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
                         ("--rounds", rounds)):
         if value < 1:
             raise ConfigError(f"{name} {value}: must be a positive integer")
+    if new_tokens < 2:
+        raise ConfigError(f"--new-tokens {new_tokens}: must be at least 2 (the first token comes from the prefill; "
+                          "the benchmark compares decode steps)")
     interpreter = engine_python(python)
     backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
     configs = 5 + (threshold is not None)

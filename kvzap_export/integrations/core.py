@@ -41,10 +41,15 @@ from typing import NamedTuple
 import torch
 
 from kvzap_export.errors import ConfigError, InputError
-from kvzap_export.ops.compaction import keep_mask
+from kvzap_export.ops.compaction import MAX_WINDOW, keep_mask
 from kvzap_export.ops.formats import UniformSelection, trtllm_sparse_layout, uniform_selection
 
 LAYOUTS = ("ragged", "uniform")
+
+
+# Spare columns a RequestState's buffers take when they grow: doubling, but never more than this many at once
+# (the buffers live beside the engine's KV, outside its budget: at 64k tokens doubling would hold twice the need).
+GROW_AHEAD = 4096
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,8 @@ class KVzapPolicy:
             raise ConfigError(f"threshold must be a finite number such as -4, got {self.threshold!r}")
         for name in ("window", "sink"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WINDOW:
+                raise ConfigError(f"{name} must be an integer in [0, {MAX_WINDOW}], got {value!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout {self.layout!r} is not supported; use one of {list(LAYOUTS)}")
 
@@ -99,7 +104,8 @@ class Decision(NamedTuple):
     """What the engine must do to its K/V after a transition.
 
     indices: int64 [L, H, K] physical source indices (into the rows *before* this decision, new tokens
-    included), ascending, -1 after each row's count; the engine moves entry ``indices[l, h, j]`` to
+    included), ascending, -1 after each row's count (when nothing is freed, possibly a broadcast view: call
+    ``.contiguous()`` before handing it to a kernel that assumes strides); the engine moves entry ``indices[l, h, j]`` to
     physical slot ``j``. counts: int64 [L, H] entries kept per row (all equal in the uniform layout).
     physical_before: int64 [L, H] row lengths before the decision. freed: entries removed (all rows).
     """
@@ -203,8 +209,8 @@ class RequestState:
             raise InputError(f"scores changed dtype from {self.scores.dtype} to {new.dtype} within a request")
         width = int(self.counts.max()) + n
         grow = width - self.positions.shape[-1]
-        if grow > 0:  # room for this append and as many more (a decode step appends one: no copy every step)
-            grow = max(grow, self.positions.shape[-1])
+        if grow > 0:  # room for this append and as many more, up to GROW_AHEAD (a decode step appends one: no
+            grow = max(grow, min(self.positions.shape[-1], GROW_AHEAD))  # copy every step, no doubling at 64k tokens)
             L, H = self.num_layers, self.num_kv_heads
             self.positions = torch.cat([self.positions, self.positions.new_full((L, H, grow), -1)], -1)
             self.scores = torch.cat([self.scores, self.scores.new_zeros((L, H, grow))], -1)

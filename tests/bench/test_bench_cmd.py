@@ -22,3 +22,11 @@ def test_unknown_suite_is_a_user_error(capsys):
     assert main(["bench", "--only", "compaction,warp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "warp" in err and "scoring" in err
+
+
+def test_engine_bench_needs_two_new_tokens(tmp_path, capsys):
+    """--new-tokens 1 gives no decode step, so no dense concurrency to cap 'ragged at dense's concurrency' at:
+    refused in one line before any engine starts (it used to run that configuration uncapped under its label)."""
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--new-tokens 1" in err and "at least 2" in err

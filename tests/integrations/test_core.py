@@ -198,6 +198,8 @@ def test_errors_are_typed():
         KVzapPolicy(float("nan"))
     with pytest.raises(ConfigError):
         KVzapPolicy(0.0, layout="paged")
+    with pytest.raises(ConfigError, match="window must be an integer in"):  # the GPU rule's bound, refused up front
+        KVzapPolicy(0.0, window=(1 << 24) + 1)
     state = RequestState(KVzapPolicy(0.0), L, H)
     with pytest.raises(InputError, match="layers"):
         state.prefill(torch.zeros(L + 1, H, 2))
@@ -235,3 +237,22 @@ def test_bundle_scorer_matches_surrogate_and_slices_heads():
     assert torch.equal(full.score(1, x), surrogate.score(1, x))
     rank1 = BundleScorer(surrogate, tp_head_range(4, 2, 1))
     assert torch.equal(rank1.score(1, x), surrogate.score(1, x)[:, 2:])
+
+
+def test_buffers_grow_ahead_by_at_most_grow_ahead(monkeypatch):
+    """A long request's buffers take spare room in steps of at most GROW_AHEAD columns, not by doubling (the
+    state lives outside the engine's KV budget), and its decisions are the same as with doubling."""
+    import kvzap_export.integrations.core as core
+
+    steps = random_steps(7, 40, 60)
+    policy = KVzapPolicy(0.0, window=4, layout="ragged")  # about half the entries kept: the rows keep growing
+    unbounded = run(policy, steps)
+    monkeypatch.setattr(core, "GROW_AHEAD", 3)
+    state = RequestState(policy, L, H)
+    state.prefill(steps[0])
+    for step in steps[1:]:
+        before = state.positions.shape[-1]
+        state.decode(step)
+        assert state.positions.shape[-1] - before <= max(3, step.shape[-1])
+    assert state.positions.shape[-1] < unbounded.positions.shape[-1] and int(state.counts.max()) > 30
+    assert torch.equal(state.visible_all(), unbounded.visible_all())

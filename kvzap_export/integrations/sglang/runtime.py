@@ -344,7 +344,8 @@ class KVzapSGLang:
         """After a decision: bool [L, H, n], the entries of row ``idx`` attention may see (n: the state's logical
         length in mask mode, the request's physical length in evict mode)."""
         if self.mode == "evict":
-            self._visible[idx] = state.rule_kept[..., :physical_length]
+            # A copy: the state's buffers are written in place by later appends, and a view would keep them alive.
+            self._visible[idx] = state.rule_kept[..., :physical_length].clone()
         else:
             self._visible[idx] = state.visible_all()
 
