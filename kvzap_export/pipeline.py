@@ -81,6 +81,17 @@ def resolve(options: ExportOptions) -> Resolved:
     return Resolved(preset, variant, canonical_dtype(options.dtype), check_opset(options.opset), threshold, window, sink)
 
 
+def checkpoint_variant(config, asked: str | None, where: Path) -> str:
+    """The variant is the checkpoint's (a Linear when its config has no hidden_dim, else an MLP); a ``--variant``
+    that contradicts it is a one-line error before anything is written."""
+    actual = config.variant
+    if asked is not None and asked != actual:
+        size = "no hidden_dim" if config.hidden_dim is None else f"hidden_dim {config.hidden_dim}"
+        raise ConfigError(f"--variant {asked}: the checkpoint {where} is a {actual} surrogate ({size} in its "
+                          f"config.json); pass --variant {actual} or leave --variant out")
+    return actual
+
+
 def _noop_progress(_description: str, _total: int) -> Callable[[], None]:
     return lambda: None
 
@@ -202,6 +213,7 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             raise MissingDependencyError(f"--require-trt: {why_not}")
     weights_dir = resolve_weights(resolved.preset, resolved.variant, options.weights)
     surrogate = load_surrogate(weights_dir, resolved.preset)
+    resolved.variant = checkpoint_variant(surrogate.config, options.variant, weights_dir)
     num_layers = surrogate.config.n_modules
     try:
         with BundleWriter(options.out, force=options.force) as writer:

@@ -92,3 +92,21 @@ def test_summary_lines_never_cut_a_value():
                 "pruning": {"threshold": -4.0, "window": 128, "sink": 0}, "parity": {"verdict": "incomplete", "summary": "s"}}
     lines = summary_lines(manifest, Path("out"))
     assert any(line.endswith(f"mlp from {source}") for line in lines) and any("p" * 120 in line for line in lines)
+
+
+def test_the_variant_is_the_checkpoints(tmp_path, capsys):
+    """A linear checkpoint given with --weights is exported and labelled linear (it used to be labelled with the
+    preset's default, mlp, in the manifest and the progress line); --variant mlp against it is a one-line error
+    that writes nothing."""
+    (tmp_path / "small.yaml").write_text(SMALL)
+    linear = synthetic_checkpoint(load_preset(str(tmp_path / "small.yaml")), "linear", tmp_path / "linear")
+    out = tmp_path / "engine"
+    assert main(["--model", str(tmp_path / "small.yaml"), "--weights", str(linear), "--out", str(out), "--no-validate"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["surrogate"]["variant"] == "linear"
+    assert "export 2 linear layers" in capsys.readouterr().err
+    refused = tmp_path / "refused"
+    assert main(["--model", str(tmp_path / "small.yaml"), "--weights", str(linear), "--variant", "mlp",
+                 "--out", str(refused), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--variant mlp" in err and "linear surrogate" in err and "--variant linear" in err
+    assert not refused.exists()

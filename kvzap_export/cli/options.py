@@ -10,7 +10,8 @@ PIPELINE_OPTIONS = [
     click.option("--out", "-o", default=None, type=click.Path(), metavar="DIR",
                  help="Bundle directory to write (atomically: an existing bundle is replaced only on success)."),
     click.option("--variant", type=click.Choice(["linear", "mlp"]), default=None,
-                 help="Surrogate variant. Default: the preset's (mlp)."),
+                 help="Surrogate variant: which shipped or hub checkpoint to take (default: the preset's, mlp). With "
+                      "--weights the checkpoint's own variant is used; a --variant that contradicts it is an error."),
     click.option("--weights", default=None, metavar="DIR",
                  help="kvpress-format surrogate checkpoint directory (config.json + model.safetensors). "
                       "Default: the copy shipped with the preset, else the hub id from the local Hugging Face cache."),
