@@ -282,6 +282,7 @@ def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions
     from kvzap_export.bundle.manifest import section_digests, write_json_durably
     from kvzap_export.validate.run import validate_bundle
 
+    writer.hash_artifacts(manifest)  # every file's digest, so that validate checks the files as written
     manifest["integrity"] = section_digests(manifest)
     write_json_durably(writer.tmp / "manifest.json", manifest)  # validate reads the bundle as a user would
     # Engines built by the previous stage are validated too (the plugin-node engine is never built there).

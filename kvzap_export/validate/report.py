@@ -32,7 +32,8 @@ def _headline(check: dict) -> str:
         return (f"{d.get('backend', 'onnxrt')}: {what}, {d['mismatches']} mismatching elements over shapes {d.get('shapes')}"
                 + (f" ({d['comparison']})" if what == "contract check" else ""))
     if "problems" in d:
-        return "; ".join(d["problems"]) or "manifest sections match their digests"
+        return "; ".join(d["problems"]) or (f"manifest.json as written: sections match their digests, "
+                                            f"{d.get('files_rehashed', 0)} files re-hashed, ONNX graphs checked")
     return d.get("summary", d.get("reason", ""))
 
 

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvzap_export.bundle.manifest import integrity_problems, read_manifest
+from kvzap_export.bundle.manifest import read_manifest
+from kvzap_export.bundle.verify import verify_bundle
 from kvzap_export.errors import ConfigError
 from kvzap_export.presets import Preset
 from kvzap_export.surrogate import load_surrogate
@@ -79,8 +80,13 @@ def _validate(bundle: Path, backends, device, model, model_level, progress, disp
         raise ConfigError(f"--backends trt: {display_name or bundle} has no TensorRT engines; "
                           f"run `kvzap-export build {display_name or bundle}` on a TensorRT machine first")
     checks: list[Check] = []
-    problems = integrity_problems(manifest)
-    checks.append(Check("bundle:manifest_integrity", "bundle", "failed" if problems else "passed", {"problems": problems}))
+    # The bundle as written: manifest.json re-read from disk, its section digests recomputed, every file it lists
+    # re-hashed, every ONNX graph loaded and checked (what `kvzap-export verify` does).
+    problems = verify_bundle(bundle)
+    checks.append(Check("bundle:manifest_integrity", "bundle", "failed" if problems else "passed",
+                        {"problems": problems, "files_rehashed": len(manifest.get("files", {})),
+                         "summary": "manifest.json re-read from disk: section digests, every listed file re-hashed, "
+                                    "ONNX graphs checked"}))
     surrogate = load_surrogate(bundle / manifest["surrogate"].get("path", "surrogate"), preset_of(manifest))
     target = resolve_model(manifest, model)
     advance = _start(progress, f"load {target} and capture hidden states" if target else "synthetic hidden states", 1)

@@ -122,6 +122,24 @@ def test_wrong_threshold_in_manifest_fails(bundle):
     assert any("'pruning'" in p for p in check["detail"]["problems"])
 
 
+def test_the_bundle_check_reads_the_files_as_written(bundle):
+    """A file no other check reads (rebuild.sh), edited after export: the bundle check re-hashes it from disk and
+    fails (it used to compare the manifest's section digests only, and pass). Inside the main command too."""
+    written = json.loads((bundle / "report" / "parity.json").read_text())  # the main command's own report
+    inside = next(c for c in written["checks"] if c["name"] == "bundle:manifest_integrity")
+    assert inside["status"] == "passed" and inside["detail"]["files_rehashed"] >= 8
+    report = validate_bundle(bundle, model_level=False)
+    check = next(c for c in report["checks"] if c["name"] == "bundle:manifest_integrity")
+    listed = json.loads((bundle / "manifest.json").read_text())["files"]
+    assert check["status"] == "passed" and check["detail"]["files_rehashed"] == len(listed) and "rebuild.sh" in listed
+    with open(bundle / "rebuild.sh", "a") as handle:
+        handle.write("echo edited\n")
+    report = validate_bundle(bundle, model_level=False)
+    assert _failed(report) == {"bundle:manifest_integrity"}
+    check = next(c for c in report["checks"] if c["name"] == "bundle:manifest_integrity")
+    assert check["detail"]["problems"] == ["rebuild.sh: sha256 mismatch (file changed after export)"]
+
+
 def test_swapped_layer_files_fail(bundle):
     a, b = bundle / "onnx" / "surrogate_layer_000.onnx", bundle / "onnx" / "surrogate_layer_002.onnx"
     data_a = a.read_bytes()
