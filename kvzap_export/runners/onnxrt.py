@@ -49,7 +49,8 @@ def register_custom_ops(options) -> None:
 def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: int | None = None,
                 providers: tuple[str, ...] = ("CPUExecutionProvider",)):
     """An ``onnxruntime.InferenceSession`` for an ONNX file (or serialized model bytes), on ``providers``
-    (default: the CPU provider; ``validate --device cuda`` passes the CUDA provider first when ORT has it).
+    (default: the CPU provider; ``validate --device cuda`` passes the CUDA provider first when ORT has it). A
+    requested provider the session does not use (ONNX Runtime's silent fallback) is a MissingDependencyError.
 
     ``custom_ops`` registers the plugin-node kernel (needed for ``threshold_compaction_plugin``);
     ``threads`` caps intra-op threads (``None``: ONNX Runtime's default, one per core). Idle worker threads
@@ -67,5 +68,13 @@ def ort_session(source: str | Path | bytes, custom_ops: bool = False, threads: i
         options.intra_op_num_threads = threads
     if custom_ops:
         register_custom_ops(options)
-    return ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
-                                providers=list(providers))
+    session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
+                                   providers=list(providers))
+    # ONNX Runtime drops a requested provider it cannot start (not built in, a CUDA library missing) with a
+    # warning only, and runs on the rest: a --device cuda check would then run on the CPU under a CUDA label.
+    used = session.get_providers()
+    dropped = [p for p in providers if p not in used]
+    if dropped:
+        raise MissingDependencyError(f"ONNX Runtime fell back to {', '.join(used)}: {', '.join(dropped)} was asked for "
+                                     "but did not start (install onnxruntime-gpu matching this CUDA, or use --device cpu)")
+    return session

@@ -33,6 +33,7 @@ class OnnxrtRunner(Runner):
         if bf16_emulation:
             self.backend = "onnxrt-bf16emu"
         self.session = None
+        self.providers_used: tuple[str, ...] = ()
 
     def activate_impl(self) -> None:
         from kvzap_export.runners.onnxrt import ort_session
@@ -45,6 +46,7 @@ class OnnxrtRunner(Runner):
 
             source = emulate_bf16(onnx.load(str(self.path))).SerializeToString()
         self.session = ort_session(source, custom_ops=self.custom_ops, threads=self.threads, providers=self.providers)
+        self.providers_used = tuple(self.session.get_providers())  # what ran, read from the session
 
     def get_input_metadata_impl(self) -> Metadata:
         return {i.name: (_NP_OF_ORT.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()}

@@ -80,12 +80,14 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
         feeds = _hidden_feeds(hidden, artifact["layer"], surrogate.config.input_dim, dtype, seed=0)
         reference, others = runners[0], runners[1:]
         worst: dict[str, Any] = {"max_abs_error": 0.0, "max_rel_error": 0.0, "mismatches": 0}
-        failed_outputs, ran, exported = [], [], []
+        failed_outputs, ran, exported, providers = [], [], [], {}
         with reference:
             ref_outputs = [reference.infer(f) for f in feeds]
         for runner in others:
             with runner:
                 ran.append(runner.backend)
+                if getattr(runner, "providers_used", None):
+                    providers[runner.backend] = list(runner.providers_used)  # read from the session: what ran
                 for feed, ref in zip(feeds, ref_outputs):
                     got = runner.infer(feed)
                     if len(ran) == 1:
@@ -101,6 +103,8 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
         detail = {"artifact": artifact["path"], "backends": ran, "atol": atol, "rtol": rtol, **worst,
                   "token_counts": [len(f["hidden_states"]) for f in feeds], "reference_device": device.torch_device,
                   "hidden_states": hidden.source if hidden is not None and len(feeds) > len(TOKEN_COUNTS) else "random only"}
+        if providers:
+            detail["onnxruntime_providers"] = providers
         if not others:
             detail["reason"] = "no backend requested besides the reference"
         if failed_outputs:

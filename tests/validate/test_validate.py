@@ -32,6 +32,12 @@ def test_bundle_without_model_is_incomplete_never_passed(bundle, capsys):
     assert all(1 in c["detail"]["token_counts"] for c in layer_checks)  # includes a shape unlike the export's
 
 
+def test_operator_checks_name_the_providers_that_ran(bundle):
+    report = validate_bundle(bundle, model_level=False)
+    layer = next(c for c in report["checks"] if c["name"] == "operator:surrogate_layer_000")
+    assert layer["detail"]["onnxruntime_providers"] == {"onnxrt": ["CPUExecutionProvider"]}
+
+
 def test_decisions_run_on_synthetic_states_without_a_model(bundle):
     report = validate_bundle(bundle, model_level=False)
     decision = next(c for c in report["checks"] if c["name"] == "decision:keep_masks")
