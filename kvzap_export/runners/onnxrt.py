@@ -1,9 +1,10 @@
 """ONNX Runtime on the CPU: a session helper and the custom-op kernel of the compaction plugin node.
 
-The plugin node's kernel (via onnxruntime-extensions) calls the PyTorch reference, so ORT and the
-reference agree by construction; what this checks is the node's contract (names, attributes, I/O)
-that TensorRT's plugin also serves. onnxruntime-extensions' Python ops take one signature per op
-type and no float16/bfloat16 tensors: the ORT kernel takes float32 scores only.
+The plugin node's kernel (via onnxruntime-extensions) is ``compaction_spec.threshold_compaction_by_spec``: the
+rule written from its specification in NumPy, sharing no code with the PyTorch reference, so the plugin node's
+operator check compares two independent computations (and the node's names, attributes and I/O, which TensorRT's
+plugin also serves). onnxruntime-extensions' Python ops take one signature per op type and no float16/bfloat16
+tensors: the ORT kernel takes float32 scores only.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ def _define_ops() -> str:
             "running the plugin node in ONNX Runtime needs onnxruntime-extensions: pip install 'kvzap-export[ortx]'"
         ) from None
     import numpy as np
-    import torch
 
     from kvzap_export.export.compaction_onnx import PLUGIN_OP
-    from kvzap_export.ops import threshold_compaction
+    from kvzap_export.runners.compaction_spec import threshold_compaction_by_spec
 
     @onnx_op(op_type=PLUGIN_OP,
              inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32],
@@ -34,9 +34,8 @@ def _define_ops() -> str:
              attrs={"sink": PyCustomOpDef.dt_int64, "plugin_version": PyCustomOpDef.dt_string,
                     "plugin_namespace": PyCustomOpDef.dt_string})
     def kvzap_threshold_compaction(scores, lengths, threshold, window, **attrs):
-        result = threshold_compaction(torch.from_numpy(np.array(scores)), torch.from_numpy(np.array(lengths)),
-                                      float(np.asarray(threshold)), int(np.asarray(window)), int(attrs.get("sink", 0)))
-        return result.keep.numpy(), result.counts.numpy(), result.indices.numpy()
+        return threshold_compaction_by_spec(np.array(scores), np.array(lengths), np.asarray(threshold).item(),
+                                            int(np.asarray(window)), int(attrs.get("sink", 0)))
 
     return get_library_path()
 

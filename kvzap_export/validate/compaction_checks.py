@@ -1,8 +1,9 @@
 """Operator-level checks of the compaction graphs and kernels: decisions must match the reference exactly.
 
-Independent pairs: the std-ops graph and the K/V-move graph in ONNX Runtime, TensorRT's engines, and the Triton
-and CUDA kernels each compute the decisions themselves and are compared with the PyTorch reference. The plugin
-node in ONNX Runtime is not one: its ORT kernel calls the reference, so it is a contract check (see PLUGIN_CONTRACT).
+Independent pairs: the std-ops graph, the plugin node and the K/V-move graph in ONNX Runtime (the plugin node's ORT
+kernel is the rule written from its specification in NumPy, ``runners.compaction_spec``, no code shared with the
+reference), TensorRT's engines, and the Triton and CUDA kernels each compute the decisions themselves and are
+compared with the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -130,10 +131,6 @@ class KernelRunner(TorchRunner):
         return super().infer(feed)
 
 
-PLUGIN_CONTRACT = ("contract: ONNX Runtime's kernel for this node calls the PyTorch reference, so this checks the node's "
-                   "names, attributes, dtypes and shapes, not its numerics (the TensorRT plugin's numerics: --backends trt)")
-
-
 def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_libraries: tuple[str, ...] = (),
                                device: Device | None = None) -> list[Check]:
     """Each compaction artifact, on each requested backend (ORT; TensorRT engines with ``trt``; the Triton / CUDA
@@ -166,10 +163,9 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
                         if not result.passed:
                             failed.append(result.output)
             first = next(iter(feeds[0]))
-            contract = kind.endswith("_plugin") and runner.backend.startswith("onnxrt")
             checks.append(Check(name, "operator", "failed" if failed else "passed",
                                 {"artifact": artifact["path"], "shapes": [list(f[first].shape) for f in feeds],
-                                 "mismatches": mismatches, "comparison": PLUGIN_CONTRACT if contract else "exact",
+                                 "mismatches": mismatches, "comparison": "exact",
                                  "backend": runner.backend, "reference_device": device.torch_device,
                                  **({"failed": sorted(set(failed))} if failed else {})}))
     return checks

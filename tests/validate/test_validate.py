@@ -52,13 +52,42 @@ def test_decisions_run_on_synthetic_states_without_a_model(bundle):
     assert report["verdict"] == "incomplete"  # --no-model-level: that level did not run
 
 
-def test_plugin_node_in_ort_is_reported_as_a_contract_check(bundle):
+def test_the_plugin_node_in_ort_computes_the_rule_itself(bundle, monkeypatch):
+    """The plugin node's ORT kernel (runners.compaction_spec) never calls the PyTorch reference and agrees with it
+    exactly, NaN and padding included; the report calls it an exact comparison (the kernel used to call
+    kvzap_export.ops.threshold_compaction: the check compared the reference with itself, as a 'contract')."""
+    import numpy as np
+    import torch
+
+    import kvzap_export.ops as ops
+    import kvzap_export.ops.compaction as compaction
+    from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
+
+    reference, calls = compaction.threshold_compaction, []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "threshold_compaction", spy)
+    monkeypatch.setattr(compaction, "threshold_compaction", spy)
+    scores = np.random.default_rng(0).normal(size=(2, 2, 50)).astype(np.float32)
+    scores[0, 1, 3] = np.nan
+    feed = {"scores": scores, "lengths": np.array([50, 17], np.int32), "threshold": np.array(0.1, np.float32),
+            "window": np.array(8, np.int32)}
+    with OnnxrtRunner(bundle / "compaction" / "threshold_compaction_plugin.onnx", custom_ops=True) as runner:
+        got = runner.infer(feed)
+    assert calls == []
+    want = reference(torch.from_numpy(scores), torch.from_numpy(feed["lengths"]), float(feed["threshold"]), 8, 0)
+    for name in ("keep", "counts", "indices"):
+        assert np.array_equal(got[name], getattr(want, name).numpy()), name
+    assert got["keep"][0, 1, 3] and not got["keep"][1, :, 17:].any()
+    monkeypatch.undo()
     report = validate_bundle(bundle, model_level=False)
     plugin = next(c for c in report["checks"] if c["name"] == "operator:threshold_compaction_plugin")
-    std = next(c for c in report["checks"] if c["name"] == "operator:threshold_compaction")
-    assert plugin["detail"]["comparison"].startswith("contract") and std["detail"]["comparison"] == "exact"
+    assert plugin["status"] == "passed" and plugin["detail"]["comparison"] == "exact"
     md = (bundle / "report" / "parity.md").read_text()
-    assert "operator:threshold_compaction_plugin: onnxrt: contract check" in md
+    assert "operator:threshold_compaction_plugin: onnxrt: exact comparison with the reference" in md and "contract" not in md
 
 
 def test_require_turns_a_level_that_did_not_run_into_a_failure(bundle, capsys):
