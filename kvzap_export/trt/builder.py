@@ -278,5 +278,23 @@ def build_engines(bundle: str | Path, options: BuildOptions | None = None,
     with BundleWriter(bundle, force=True) as writer:
         _stage_copy(bundle, writer.tmp)
         result = build_into(writer.tmp, manifest, options, on_step)
+        manifest["parity"] = parity_after_build(manifest.get("parity") or {}, manifest, bundle)
         writer.commit(manifest)
     return result
+
+
+def parity_after_build(parity: dict[str, Any], manifest: dict[str, Any], bundle: Path) -> dict[str, Any]:
+    """The manifest's verdict once engines were added after validation: they were never compared with the reference,
+    so a ``passed`` becomes ``incomplete``, naming each engine and the command that validates them (a ``failed``
+    stays failed). A build that made no engine changes nothing."""
+    engines = [a["path"] for a in manifest["artifacts"] if a["kind"] == "trt_engine"]
+    if not engines:
+        return parity
+    how = f"run `kvzap-export validate {bundle} --backends torch,onnxrt,trt` (report/parity.md gives the verdict)"
+    reason = f"built by `kvzap-export build` after the bundle was validated; {how}"
+    not_run = [n for n in parity.get("not_run", []) if not str(n.get("check", "")).startswith("trt_engine:")]
+    not_run += [{"check": f"trt_engine:{path}", "level": "operator", "reason": reason} for path in engines]
+    verdict = "failed" if parity.get("verdict") == "failed" else "incomplete"
+    before = parity.get("before_build", parity.get("summary"))  # a second build does not stack summaries
+    summary = f"{len(engines)} TensorRT engine(s) not validated: {how}" + (f"; before the build: {before}" if before else "")
+    return {**parity, "verdict": verdict, "passed": False, "not_run": not_run, "summary": summary, "before_build": before}

@@ -260,3 +260,33 @@ def test_trt_runner_for_an_artifact_follows_the_manifest(bundle):
     else:
         runner = TrtRunner.for_artifact(bundle, manifest, source)
         assert runner.engine_path == bundle / "engines" / "x.plan" and runner.host_code_allowed
+
+
+def test_a_build_turns_a_passed_verdict_into_incomplete_naming_the_engines(bundle, monkeypatch):
+    """Engines added by `build` were never compared with the reference: the manifest's verdict cannot stay 'passed'
+    (it used to). Plumbing only: TensorRT is absent here, so the build itself is a stand-in that records two
+    engines; what is tested is what build_engines writes around it."""
+    from kvzap_export.trt import builder
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["parity"] = {"verdict": "passed", "passed": True, "summary": "every check passed", "not_run": []}
+    manifest["integrity"] = section_digests(manifest)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+    def stand_in_build(tmp, manifest, options, on_step):  # replaces the engines, as the real build does
+        manifest["artifacts"] = [a for a in manifest["artifacts"] if a["kind"] != "trt_engine"]
+        (tmp / "engines").mkdir(exist_ok=True)
+        for name in ("a.plan", "b.plan"):
+            (tmp / "engines" / name).write_bytes(b"not an engine")
+            manifest["artifacts"].append({"kind": "trt_engine", "path": f"engines/{name}", "source": "onnx/surrogate_layer_000.onnx"})
+        return {"status": "built 2 engines", "engines": [], "skipped": []}
+
+    monkeypatch.setattr(builder, "tensorrt_status", lambda: None)
+    monkeypatch.setattr(builder, "build_into", stand_in_build)
+    builder.build_engines(bundle)
+    builder.build_engines(bundle)  # twice: the summary does not stack
+    parity = json.loads((bundle / "manifest.json").read_text())["parity"]
+    assert parity["verdict"] == "incomplete" and parity["passed"] is False
+    assert [n["check"] for n in parity["not_run"]] == ["trt_engine:engines/a.plan", "trt_engine:engines/b.plan"]
+    assert "--backends torch,onnxrt,trt" in parity["summary"] and parity["summary"].count("before the build") == 1
+    assert parity["summary"].endswith("before the build: every check passed")
