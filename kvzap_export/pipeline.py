@@ -267,7 +267,7 @@ def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, p
         return manifest
     sources = sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx"))
     try:
-        build_into(writer.tmp, manifest, BuildOptions(require_trt=options.require_trt),
+        build_into(writer.tmp, manifest, BuildOptions(require_trt=options.require_trt, **plugin_choice()),
                    on_step=progress("build TensorRT engines", sources))
     except BundleError as exc:  # the ONNX bundle still ships; the status says what failed
         if options.require_trt:
@@ -275,6 +275,18 @@ def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, p
         shutil.rmtree(writer.tmp / "engines", ignore_errors=True)
         manifest["engines"] = {"tensorrt": None, "status": f"engine build failed: {exc}"}
     return manifest
+
+
+def plugin_choice() -> dict[str, Any]:
+    """How the build stage implements the plugin node, so that its engine exists for the validation to check: the
+    library named by $KVZAP_TRT_PLUGIN_LIB, else the Python AOT plugin where TensorRT and Triton support it, else
+    none (that engine is then skipped with the reason, and the verdict is incomplete)."""
+    library = os.environ.get("KVZAP_TRT_PLUGIN_LIB")
+    if library:
+        return {"plugin_libraries": (library,)}
+    from kvzap_export.kernels.trt_plugin import python_plugin_status
+
+    return {"python_plugin": True} if python_plugin_status() is None else {}
 
 
 def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, progress) -> dict[str, Any]:
@@ -289,7 +301,8 @@ def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions
     built = any(a["kind"] == "trt_engine" for a in manifest["artifacts"])
     report = validate_bundle(writer.tmp, ("torch", "onnxrt", "trt") if built else ("torch", "onnxrt"),
                              model=options.validate_model, model_level=options.model_level, progress=progress,
-                             display_name=str(options.out), require=options.require)
+                             display_name=str(options.out), require=options.require,
+                             plugin_libraries=plugin_choice().get("plugin_libraries", ()) if built else ())
     return {
         "verdict": report["verdict"],
         "passed": report["verdict"] == "passed",

@@ -33,6 +33,7 @@ TensorRT 11.4 bindings (tests/trt/test_trt_api_names.py).
 Deliberately no ``from __future__ import annotations``: ``tensorrt.plugin`` reads the real annotations.
 """
 
+import importlib.util
 import re
 from typing import Tuple, Union
 
@@ -132,6 +133,21 @@ def python_plugin_graph(model):
     return copy
 
 
+def python_plugin_status() -> str | None:
+    """None when the AOT plugin can be built here (a TensorRT whose ``tensorrt.plugin`` has AOT implementations, and
+    Triton to compile the kernel), else why not, in one line."""
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin  # noqa: F401
+    except ModuleNotFoundError:
+        return f"the Python TensorRT plugin needs tensorrt.plugin: {INSTALL}"
+    if getattr(trt, "QuickPluginCreationRequest", None) is None:  # what tensorrt.plugin itself tests for AOT support
+        return f"TensorRT {trt.__version__} has no AOT Python plugins: {INSTALL}"
+    if importlib.util.find_spec("triton") is None:
+        return "the Python TensorRT plugin compiles its kernel with Triton: pip install 'kvzap-export[gpu]'"
+    return None
+
+
 def register_plugin() -> str:
     """Registers the AOT plugin with TensorRT's plugin registry (once per process); returns its id.
 
@@ -140,13 +156,12 @@ def register_plugin() -> str:
     global _registered
     if _registered:
         return PLUGIN_ID
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin as trtp
-    except ModuleNotFoundError:
-        raise MissingDependencyError(f"the Python TensorRT plugin needs tensorrt.plugin: {INSTALL}") from None
-    if getattr(trt, "QuickPluginCreationRequest", None) is None:  # what tensorrt.plugin itself tests for AOT support
-        raise MissingDependencyError(f"TensorRT {trt.__version__} has no AOT Python plugins: {INSTALL}")
+    why_not = python_plugin_status()
+    if why_not is not None:
+        raise MissingDependencyError(why_not)
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
     from kvzap_export.kernels import triton_compaction
 
     triton_compaction.require_triton()

@@ -290,3 +290,32 @@ def test_a_build_turns_a_passed_verdict_into_incomplete_naming_the_engines(bundl
     assert [n["check"] for n in parity["not_run"]] == ["trt_engine:engines/a.plan", "trt_engine:engines/b.plan"]
     assert "--backends torch,onnxrt,trt" in parity["summary"] and parity["summary"].count("before the build") == 1
     assert parity["summary"].endswith("before the build: every check passed")
+
+
+def test_the_main_commands_build_stage_builds_the_plugin_node(small, tmp_path, monkeypatch):
+    """Where TensorRT is present the main command builds the plugin-node engine too, so its check can run and the
+    verdict can pass (it used to build it never: that check was always skipped). Plumbing only: TensorRT is absent
+    here, so the build is a stand-in recording the options it gets."""
+    from kvzap_export import pipeline
+    from kvzap_export.kernels import trt_plugin
+    from kvzap_export.trt import availability, builder
+
+    seen = []
+
+    def stand_in_build(tmp, manifest, options, on_step):
+        seen.append(options)
+        raise builder.BundleError("stand-in: no TensorRT here")  # the stage then ships the ONNX bundle
+
+    monkeypatch.setattr(availability, "tensorrt_status", lambda: None)
+    monkeypatch.setattr(builder, "build_into", stand_in_build)
+    monkeypatch.setattr(trt_plugin, "python_plugin_status", lambda: None)
+    monkeypatch.delenv("KVZAP_TRT_PLUGIN_LIB", raising=False)
+    assert _export(small, tmp_path / "aot") == 0
+    monkeypatch.setenv("KVZAP_TRT_PLUGIN_LIB", "/opt/libkvzap_trt_plugin.so")
+    assert _export(small, tmp_path / "library") == 0
+    monkeypatch.delenv("KVZAP_TRT_PLUGIN_LIB")
+    monkeypatch.setattr(trt_plugin, "python_plugin_status", lambda: "no AOT plugins here")
+    assert _export(small, tmp_path / "neither") == 0
+    assert [(o.python_plugin, o.plugin_libraries) for o in seen] == [
+        (True, ()), (False, ("/opt/libkvzap_trt_plugin.so",)), (False, ())]
+    assert pipeline.plugin_choice() == {}
