@@ -56,10 +56,12 @@ def _reference_compaction(sink: int, dtype: str):
     return run
 
 
-def _reference_kv():
+def _reference_kv(dtype: str):
+    """The K/V move in the bundle's dtype (bfloat16 feeds travel as float32 holding bfloat16 values)."""
     from kvzap_export.ops import kv_compaction
 
-    return lambda keys, values, indices: kv_compaction(keys, values, indices)
+    torch_dtype = TORCH_DTYPES[dtype]
+    return lambda keys, values, indices: kv_compaction(keys.to(torch_dtype), values.to(torch_dtype), indices)
 
 
 def _kernel_compaction(kernels, sink: int, dtype: str):
@@ -71,8 +73,9 @@ def _kernel_compaction(kernels, sink: int, dtype: str):
     return run
 
 
-def _kernel_kv(kernels):
-    return lambda keys, values, indices: kernels.kv_compaction(keys, values, indices)
+def _kernel_kv(kernels, dtype: str):
+    torch_dtype = TORCH_DTYPES[dtype]
+    return lambda keys, values, indices: kernels.kv_compaction(keys.to(torch_dtype), values.to(torch_dtype), indices)
 
 
 def _onnxrt_skip_reason(kind: str, dtype: str, backends) -> str | None:
@@ -111,7 +114,7 @@ def _backend_runners(bundle: Path, manifest: dict, artifact: dict, backends, plu
             if isinstance(kernels, str):
                 out.append((f"operator:{kind}:{name}", None, kernels))
                 continue
-            fn = _kernel_compaction(kernels, sink, dtype) if kind == "threshold_compaction" else _kernel_kv(kernels)
+            fn = _kernel_compaction(kernels, sink, dtype) if kind == "threshold_compaction" else _kernel_kv(kernels, dtype)
             out.append((f"operator:{kind}:{name}", KernelRunner(fn, outputs, name, device.torch_device), None))
     return out
 
@@ -145,7 +148,7 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
         if kind not in ("threshold_compaction", "threshold_compaction_plugin", "kv_compaction"):
             continue
         if kind == "kv_compaction":
-            feeds, ref_fn, outputs = _kv_feeds(manifest, heads), _reference_kv(), ["keys_out", "values_out"]
+            feeds, ref_fn, outputs = _kv_feeds(manifest, heads), _reference_kv(dtype), ["keys_out", "values_out"]
         else:
             feeds, ref_fn, outputs = _feeds(manifest, heads, dtype), _reference_compaction(sink, dtype), ["keep", "counts", "indices"]
         references = None
@@ -165,7 +168,7 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
             first = next(iter(feeds[0]))
             checks.append(Check(name, "operator", "failed" if failed else "passed",
                                 {"artifact": artifact["path"], "shapes": [list(f[first].shape) for f in feeds],
-                                 "mismatches": mismatches, "comparison": "exact",
+                                 "mismatches": mismatches, "comparison": "exact", "dtype": dtype,
                                  "backend": runner.backend, "reference_device": device.torch_device,
                                  **({"failed": sorted(set(failed))} if failed else {})}))
     return checks

@@ -41,6 +41,18 @@ class KvpressRun(NamedTuple):
     tokens: torch.Tensor  # (B, new_tokens)
     logits: torch.Tensor  # (B, new_tokens, vocab)
     masked: list[int]  # per sequence: K/V entries (layer × head × position) kvpress masked by the end of the run
+    cache_bytes: list[int]  # per sequence: K/V bytes of the cache transformers held at the end, measured from its tensors
+
+
+def cache_bytes(cache, batch: int) -> list[int]:
+    """Per sequence: the bytes of a transformers cache's key and value tensors (every layer), read from the tensors."""
+    total = [0] * batch
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is not None and tensor.numel():
+                for b in range(batch):
+                    total[b] += tensor[b].numel() * tensor.element_size()
+    return total
 
 
 def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_tokens: int, decoding: bool = False,
@@ -69,7 +81,8 @@ def generate_kvpress(llm, ids: torch.Tensor, bundle: Path, manifest: dict, new_t
         if indices is not None:
             masked += torch.bincount(indices[0], minlength=ids.shape[0])
         layer.self_attn.masked_key_indices = None
-    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked.tolist())
+    return KvpressRun(out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), masked.tolist(),
+                      cache_bytes(out.past_key_values, ids.shape[0]))
 
 
 def _tools() -> dict:
