@@ -16,7 +16,7 @@ from typing import Any
 
 from kvzap_export import __version__
 from kvzap_export.bundle import SCHEMA_VERSION, BundleWriter, sha256_file, tool_versions
-from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError, ValidationFailedError
+from kvzap_export.errors import BundleError, ConfigError, KvzapError, MissingDependencyError, ValidationFailedError
 from kvzap_export.export.dtypes import canonical_dtype, check_opset
 from kvzap_export.presets import VARIANTS, Preset, load_preset
 
@@ -267,9 +267,10 @@ def _build_stage(writer: BundleWriter, manifest: dict, options: ExportOptions, p
         return manifest
     sources = sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx"))
     try:
-        build_into(writer.tmp, manifest, BuildOptions(require_trt=options.require_trt, **plugin_choice()),
+        build_into(writer.tmp, manifest, BuildOptions(require_trt=options.require_trt, plugin_optional=True,
+                                                      **plugin_choice()),
                    on_step=progress("build TensorRT engines", sources))
-    except BundleError as exc:  # the ONNX bundle still ships; the status says what failed
+    except KvzapError as exc:  # the ONNX bundle still ships; the status says what failed
         if options.require_trt:
             raise
         shutil.rmtree(writer.tmp / "engines", ignore_errors=True)
@@ -281,9 +282,9 @@ def plugin_choice() -> dict[str, Any]:
     """How the build stage implements the plugin node, so that its engine exists for the validation to check: the
     library named by $KVZAP_TRT_PLUGIN_LIB, else the Python AOT plugin where TensorRT and Triton support it, else
     none (that engine is then skipped with the reason, and the verdict is incomplete)."""
-    library = os.environ.get("KVZAP_TRT_PLUGIN_LIB")
-    if library:
-        return {"plugin_libraries": (library,)}
+    libraries = tuple(p for p in os.environ.get("KVZAP_TRT_PLUGIN_LIB", "").split(os.pathsep) if p)  # as click reads it
+    if libraries:
+        return {"plugin_libraries": libraries}
     from kvzap_export.kernels.trt_plugin import python_plugin_status
 
     return {"python_plugin": True} if python_plugin_status() is None else {}
@@ -297,7 +298,7 @@ def _validate_stage(writer: BundleWriter, manifest: dict, options: ExportOptions
     writer.hash_artifacts(manifest)  # every file's digest, so that validate checks the files as written
     manifest["integrity"] = section_digests(manifest)
     write_json_durably(writer.tmp / "manifest.json", manifest)  # validate reads the bundle as a user would
-    # Engines built by the previous stage are validated too (the plugin-node engine is never built there).
+    # Engines built by the previous stage are validated too (the plugin-node engine with plugin_choice's plugin).
     built = any(a["kind"] == "trt_engine" for a in manifest["artifacts"])
     report = validate_bundle(writer.tmp, ("torch", "onnxrt", "trt") if built else ("torch", "onnxrt"),
                              model=options.validate_model, model_level=options.model_level, progress=progress,

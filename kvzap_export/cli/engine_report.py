@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 
-def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json) -> None:
+def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json,
+                   require: tuple[str, ...] = ()) -> None:
     from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
 
@@ -20,22 +21,26 @@ def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, dev
         if show:
             click.echo(f"  {engine} ({mode}): {text}", err=True)
 
-    if show:
-        click.echo(f"engine level: starting {engine} ({mode} mode) with the kvzap plugin; this takes a minute", err=True)
-    result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line)
+    def on_start() -> None:
+        if show:
+            click.echo(f"engine level: starting {engine} ({mode} mode) with the kvzap plugin; this takes a minute", err=True)
+
+    result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line,
+                              on_start=on_start)
     report = write_engine_report(bundle, result)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     elif not quiet:
         click.echo(report.read_text(), err=True)
     # The engine level's result goes through the same three-state verdict as every other level.
-    from kvzap_export.validate.checks import Check, not_run, verdict, verdict_error
+    from kvzap_export.validate.checks import Check, not_run, required_checks, verdict, verdict_error
 
     status = result["status"] if result["status"] in ("passed", "failed") else "skipped"
-    check = Check(f"engine:{engine}:{mode}", "engine", status,
-                  {**result, "reason": result.get("reason", result.get("summary", ""))})
-    state = verdict([check])
-    error = verdict_error({"verdict": state, "failed": [check.name] if state == "failed" else [],
-                           "not_run": not_run([check])}, str(report))
+    checks = [Check(f"engine:{engine}:{mode}", "engine", status,
+                    {**result, "reason": result.get("reason", result.get("summary", ""))})]
+    checks += required_checks(checks, require)  # --require engine: not run is a failure
+    state = verdict(checks)
+    error = verdict_error({"verdict": state, "failed": [c.name for c in checks if c.status == "failed"],
+                           "not_run": not_run(checks)}, str(report))
     if error is not None:
         raise error

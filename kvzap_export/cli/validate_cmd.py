@@ -67,13 +67,22 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
     from kvzap_export.validate.checks import parse_levels, verdict_error
     from kvzap_export.validate.run import parse_backends, validate_bundle
 
+    from kvzap_export.errors import ConfigError
+
+    levels = parse_levels(require)
     if engine is not None:
         from kvzap_export.cli.engine_report import run_engine_cli
 
-        run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet, as_json)
+        if set(levels) - {"engine"}:
+            raise ConfigError(f"--require {require}: with --engine only the engine level runs; require engine, or "
+                              "validate the other levels without --engine")
+        run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet,
+                       as_json, levels)
         return
+    if "engine" in levels:
+        raise ConfigError("--require engine: the engine level runs only with --engine sglang --model DIR; add them, "
+                          "or leave engine out of --require")
     chosen = parse_backends(backends, device)
-    levels = parse_levels(require)
     with progress_bars(enabled=not (quiet or as_json)) as progress:
         report = validate_bundle(bundle, chosen, device=device, model=model, model_level=not no_model_level, progress=progress,
                                  plugin_libraries=tuple(plugin_libs), require=levels, cuda_library=cuda_lib)

@@ -19,9 +19,11 @@ import numpy as np
 def threshold_compaction_by_spec(scores, lengths, threshold, window: int, sink: int = 0):
     """scores [B, H, T] float; lengths [B] int; returns (keep bool, counts int32 [B, H], indices int32 [B, H, T])."""
     scores = np.asarray(scores)
-    lengths = np.asarray(lengths).reshape(-1)
-    if scores.ndim != 3 or lengths.shape[0] != scores.shape[0]:
+    lengths = np.asarray(lengths)
+    if scores.ndim != 3 or lengths.ndim != 1 or lengths.shape[0] != scores.shape[0]:
         raise ValueError(f"scores [batch, kv_heads, seq] and lengths [batch]; got {scores.shape} and {lengths.shape}")
+    if int(window) < 0 or int(sink) < 0:
+        raise ValueError(f"window and sink must be >= 0, got {window} and {sink}")
     batch, heads, seq = scores.shape
     tau = scores.dtype.type(threshold)
     keep = np.zeros(scores.shape, dtype=bool)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvzap_export.bundle.manifest import MANIFEST_NAME, read_manifest
-from kvzap_export.errors import BundleError, ConfigError, MissingDependencyError
+from kvzap_export.errors import BundleError, ConfigError, KvzapError, MissingDependencyError
 from kvzap_export.trt.availability import BUILD_PLUGIN, gpu_name, import_tensorrt, load_plugin_libraries, tensorrt_status
 
 ENGINE_DIR = "engines"
@@ -53,6 +53,9 @@ class BuildOptions:
     require_trt: bool = False
     plugin_libraries: tuple[str, ...] = ()
     python_plugin: bool = False  # the plugin node through tensorrt.plugin's AOT implementation, not a library
+    # The main command's automatic choice: a plugin that cannot be set up or built skips the plugin-node engine
+    # (with the reason) instead of failing the build; `kvzap-export build` keeps what the user asked for strict.
+    plugin_optional: bool = False
     timing_cache: str | None = None  # default: BUNDLE/engines/timing.cache
     hardware_compat: str = "none"  # none | ampere+ | same
     version_compatible: bool = False
@@ -184,11 +187,17 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
 
     directory = Path(directory)
     logger = trt.Logger(trt.Logger.WARNING)
-    load_plugin_libraries(trt, options.plugin_libraries)
-    if options.python_plugin:
-        from kvzap_export.kernels.trt_plugin import register_plugin
+    plugin_problem = None
+    try:
+        load_plugin_libraries(trt, options.plugin_libraries)
+        if options.python_plugin:
+            from kvzap_export.kernels.trt_plugin import register_plugin
 
-        register_plugin()
+            register_plugin()
+    except KvzapError as exc:
+        if not options.plugin_optional:
+            raise
+        plugin_problem = f"the plugin could not be set up: {exc}"
     cache_path = Path(options.timing_cache).expanduser() if options.timing_cache else directory / TIMING_CACHE
     cache_bytes = cache_path.read_bytes() if cache_path.is_file() else None
     max_seq = options.max_seq or default_max_seq(manifest)
@@ -196,13 +205,23 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
     skipped: list[dict] = []
     for artifact in [a for a in manifest["artifacts"] if a["kind"] != "trt_engine" and a["path"].endswith(".onnx")]:
         plugin = artifact["kind"] in PLUGIN_KINDS
-        if plugin and not (options.plugin_libraries or options.python_plugin):
+        if plugin and plugin_problem:
+            skipped.append({"source": artifact["path"], "reason": plugin_problem})
+        elif plugin and not (options.plugin_libraries or options.python_plugin):
             skipped.append({"source": artifact["path"], "reason": "needs the TensorRT plugin library: pass --plugin-lib "
                             f"build/libkvzap_trt_plugin.so (built by `{BUILD_PLUGIN}`), or --python-plugin"})
         else:
             shapes = profile_shapes(artifact, manifest["max_tokens"], options.max_batch, max_seq)
-            plan, cache_bytes = _build_one(trt, logger, directory / artifact["path"], artifact["path"], shapes, options,
-                                           cache_bytes, plugin)
+            try:
+                plan, cache_bytes = _build_one(trt, logger, directory / artifact["path"], artifact["path"], shapes,
+                                               options, cache_bytes, plugin)
+            except KvzapError as exc:
+                if not (plugin and options.plugin_optional):
+                    raise
+                skipped.append({"source": artifact["path"], "reason": f"the plugin-node engine did not build: {exc}"})
+                if on_step:
+                    on_step()
+                continue
             path = engine_path_for(artifact["path"])
             if any(e["path"] == path for e in built):
                 raise BundleError(f"{artifact['path']}: its engine name {path} is taken by another artifact")
@@ -297,4 +316,6 @@ def parity_after_build(parity: dict[str, Any], manifest: dict[str, Any], bundle:
     verdict = "failed" if parity.get("verdict") == "failed" else "incomplete"
     before = parity.get("before_build", parity.get("summary"))  # a second build does not stack summaries
     summary = f"{len(engines)} TensorRT engine(s) not validated: {how}" + (f"; before the build: {before}" if before else "")
-    return {**parity, "verdict": verdict, "passed": False, "not_run": not_run, "summary": summary, "before_build": before}
+    checks = {name: status for name, status in (parity.get("checks") or {}).items() if not name.endswith(":trt")}
+    return {**parity, "verdict": verdict, "passed": False, "not_run": not_run, "summary": summary, "before_build": before,
+            "checks": checks}  # the old engines' results no longer describe these engines

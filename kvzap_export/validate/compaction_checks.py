@@ -169,6 +169,8 @@ def check_compaction_artifacts(bundle: Path, manifest: dict, backends, plugin_li
             checks.append(Check(name, "operator", "failed" if failed else "passed",
                                 {"artifact": artifact["path"], "shapes": [list(f[first].shape) for f in feeds],
                                  "mismatches": mismatches, "comparison": "exact", "dtype": dtype,
+                                 **({"onnxruntime_providers": list(runner.providers_used)}
+                                    if getattr(runner, "providers_used", None) else {}),
                                  "backend": runner.backend, "reference_device": device.torch_device,
                                  **({"failed": sorted(set(failed))} if failed else {})}))
     return checks

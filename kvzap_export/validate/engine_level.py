@@ -55,7 +55,11 @@ def check_engine_gpu(interpreter: str) -> None:
         code = subprocess.run([interpreter, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               timeout=300).returncode
     except subprocess.TimeoutExpired:
-        code = None
+        raise ConfigError(f"--device cuda: the engine's Python ({interpreter}) did not answer within 300 s whether it "
+                          "sees a GPU; check that environment, or use --device cpu") from None
+    except OSError as exc:
+        raise ConfigError(f"--device cuda: cannot run the engine's Python ({interpreter}): {exc.strerror}; give an "
+                          "executable interpreter with --engine-python") from None
     if code != 0:
         why = "sees no CUDA GPU" if code == 3 else "could not import torch to look for a GPU"
         raise ConfigError(f"--device cuda: the engine's Python ({interpreter}) {why}; use --device cpu")
@@ -171,8 +175,9 @@ def check_reference(reference: dict | None, manifest: dict) -> None:
 
 def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model: str | None, prompts: str | None = None,
                      new_tokens: int | None = None, python: str | None = None, device: str = "cpu",
-                     engine_args: dict | None = None, on_line=None) -> dict[str, Any]:
-    """Runs the engine level; returns its result dict (``status`` passed | failed | skipped)."""
+                     engine_args: dict | None = None, on_line=None, on_start=None) -> dict[str, Any]:
+    """Runs the engine level; returns its result dict (``status`` passed | failed | skipped). ``on_start()`` once every
+    input is checked, just before the engine is launched."""
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: supported engines are {list(ENGINES)}")
     if mode not in ENGINE_MODES:
@@ -202,6 +207,8 @@ def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model
         if device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         cmd = [interpreter, "-m", "kvzap_export.integrations.sglang.driver", str(spec_path), str(out_path)]
+        if on_start:
+            on_start()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         tail: list[str] = []
         for line in proc.stderr:

@@ -49,7 +49,7 @@ def test_engine_level_on_cuda_without_a_gpu_is_a_usage_error(bundle, capsys):
         pytest.skip("a CUDA GPU is visible: the probe passes here")
     (bundle / "config.json").write_text("{}")  # a model directory, as --model wants
     code = main(["validate", str(bundle), "--engine", "sglang", "--model", str(bundle), "--device", "cuda",
-                 "--engine-python", sys.executable, "--prompts", str(write_prompts(bundle)), "--quiet"])
+                 "--engine-python", sys.executable, "--prompts", str(write_prompts(bundle))])  # no --quiet: still one line
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--device cuda" in err and "sees no CUDA GPU" in err
     assert not (bundle / "report" / "engine-sglang-mask.json").exists()
@@ -59,3 +59,19 @@ def write_prompts(bundle):
     path = bundle / "prompts.json"
     path.write_text(json.dumps(["a prompt"]))
     return path
+
+
+def test_require_engine_follows_the_engine_level(bundle, monkeypatch, capsys):
+    """--require engine without --engine is a usage error (it used to fail every time: no engine check ever ran);
+    with --engine, an engine level that did not run fails instead of being incomplete; other levels are refused."""
+    assert main(["validate", str(bundle), "--require", "engine", "--quiet"]) == 2
+    assert "--require engine" in capsys.readouterr().err
+    skipped = {"status": "skipped", "engine": "sglang", "mode": "mask", "summary": "no reference", "prompts": [],
+               "reason": "no kvpress reference for 2 of 2 runs"}
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", lambda *a, **k: skipped)
+    engine = ["validate", str(bundle), "--engine", "sglang", "--model", str(bundle), "--quiet"]
+    assert main(engine) == 3
+    assert main([*engine, "--require", "engine"]) == 1
+    capsys.readouterr()
+    assert main([*engine, "--require", "operator"]) == 2
+    assert "only the engine level runs" in capsys.readouterr().err

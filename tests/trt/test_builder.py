@@ -318,4 +318,40 @@ def test_the_main_commands_build_stage_builds_the_plugin_node(small, tmp_path, m
     assert _export(small, tmp_path / "neither") == 0
     assert [(o.python_plugin, o.plugin_libraries) for o in seen] == [
         (True, ()), (False, ("/opt/libkvzap_trt_plugin.so",)), (False, ())]
+    assert all(o.plugin_optional for o in seen)  # a plugin that fails there skips its engine, not the build
     assert pipeline.plugin_choice() == {}
+
+
+@pytest.mark.parametrize("fails", ["setup", "build"])
+def test_an_optional_plugin_that_fails_skips_only_the_plugin_engine(bundle, monkeypatch, fails):
+    """The main command's automatic plugin: if it cannot be set up, or its engine does not build, that one engine is
+    skipped with the reason and the others are kept; `build --plugin-lib` (not optional) still fails. Plumbing only:
+    TensorRT, its GPU and the engine builds are stand-ins here."""
+    import kvzap_export.trt.builder as builder
+    from kvzap_export.errors import MissingDependencyError
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+
+    def load(_trt, libraries):
+        if fails == "setup" and libraries:
+            raise ConfigError(f"--plugin-lib {libraries[0]}: no such file")
+
+    def build_one(_trt, _logger, _path, source, _shapes, _options, cache, plugin):
+        if fails == "build" and plugin:
+            raise MissingDependencyError("the plugin-node engine needs Triton")
+        return b"plan", cache
+
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: (type("TRT", (), {"__version__": "0.0", "Logger": type(
+        "Logger", (), {"WARNING": 0, "__init__": lambda self, level: None})}), None))
+    monkeypatch.setattr(builder, "load_plugin_libraries", load)
+    monkeypatch.setattr(builder, "_build_one", build_one)
+    monkeypatch.setattr(builder, "gpu_name", lambda: "stand-in GPU")
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda _i=0: (9, 0))
+    options = builder.BuildOptions(plugin_libraries=("/nope/libkvzap_trt_plugin.so",), plugin_optional=True)
+    result = builder.build_into(bundle, json.loads(json.dumps(manifest)), options)
+    assert [s["source"] for s in result["skipped"]] == ["compaction/threshold_compaction_plugin.onnx"]
+    assert ("could not be set up" if fails == "setup" else "did not build") in result["skipped"][0]["reason"]
+    assert len(result["engines"]) == sum(1 for a in manifest["artifacts"] if a["path"].endswith(".onnx")) - 1
+    strict = builder.BuildOptions(plugin_libraries=("/nope/libkvzap_trt_plugin.so",))
+    with pytest.raises((ConfigError, MissingDependencyError)):
+        builder.build_into(bundle, json.loads(json.dumps(manifest)), strict)

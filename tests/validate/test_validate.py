@@ -36,6 +36,8 @@ def test_operator_checks_name_the_providers_that_ran(bundle):
     report = validate_bundle(bundle, model_level=False)
     layer = next(c for c in report["checks"] if c["name"] == "operator:surrogate_layer_000")
     assert layer["detail"]["onnxruntime_providers"] == {"onnxrt": ["CPUExecutionProvider"]}
+    move = next(c for c in report["checks"] if c["name"] == "operator:kv_compaction")
+    assert move["detail"]["onnxruntime_providers"] == ["CPUExecutionProvider"]
 
 
 def test_decisions_run_on_synthetic_states_without_a_model(bundle):
@@ -52,37 +54,34 @@ def test_decisions_run_on_synthetic_states_without_a_model(bundle):
     assert report["verdict"] == "incomplete"  # --no-model-level: that level did not run
 
 
-def test_the_plugin_node_in_ort_computes_the_rule_itself(bundle, monkeypatch):
-    """The plugin node's ORT kernel (runners.compaction_spec) never calls the PyTorch reference and agrees with it
-    exactly, NaN and padding included; the report calls it an exact comparison (the kernel used to call
-    kvzap_export.ops.threshold_compaction: the check compared the reference with itself, as a 'contract')."""
+def test_the_plugin_node_in_ort_computes_the_rule_itself(bundle):
+    """The plugin node's ORT kernel (runners.compaction_spec) is written from the specification with NumPy alone (it
+    imports nothing of this package nor torch), agrees with the reference exactly in float32 and float16 (ties at
+    τ, a τ float16 cannot hold, NaN, padding, sink), and the report calls the check exact (the kernel used to call
+    kvzap_export.ops.threshold_compaction: the reference compared with itself, as a 'contract')."""
+    import ast
+    import inspect
+
     import numpy as np
     import torch
 
-    import kvzap_export.ops as ops
-    import kvzap_export.ops.compaction as compaction
-    from kvzap_export.runners.onnxrt_runner import OnnxrtRunner
+    from kvzap_export.ops import threshold_compaction
+    from kvzap_export.runners import compaction_spec
 
-    reference, calls = compaction.threshold_compaction, []
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return reference(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "threshold_compaction", spy)
-    monkeypatch.setattr(compaction, "threshold_compaction", spy)
-    scores = np.random.default_rng(0).normal(size=(2, 2, 50)).astype(np.float32)
-    scores[0, 1, 3] = np.nan
-    feed = {"scores": scores, "lengths": np.array([50, 17], np.int32), "threshold": np.array(0.1, np.float32),
-            "window": np.array(8, np.int32)}
-    with OnnxrtRunner(bundle / "compaction" / "threshold_compaction_plugin.onnx", custom_ops=True) as runner:
-        got = runner.infer(feed)
-    assert calls == []
-    want = reference(torch.from_numpy(scores), torch.from_numpy(feed["lengths"]), float(feed["threshold"]), 8, 0)
-    for name in ("keep", "counts", "indices"):
-        assert np.array_equal(got[name], getattr(want, name).numpy()), name
-    assert got["keep"][0, 1, 3] and not got["keep"][1, :, 17:].any()
-    monkeypatch.undo()
+    tree = ast.parse(inspect.getsource(compaction_spec))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"numpy", "__future__"}
+    for dtype, tau in ((np.float32, 0.1), (np.float16, 0.1), (np.float16, -4.0)):
+        scores = np.random.default_rng(0).normal(size=(3, 2, 60)).astype(dtype)
+        scores[0, 1, 3] = np.nan
+        scores[1, 0, 5:9] = dtype(tau)  # ties: strict < keeps them
+        lengths = np.array([60, 17, 0], np.int32)
+        for window, sink in ((8, 0), (0, 2), (100, 0)):
+            got = compaction_spec.threshold_compaction_by_spec(scores, lengths, tau, window, sink)
+            want = threshold_compaction(torch.from_numpy(scores), torch.from_numpy(lengths), tau, window, sink)
+            for name, array in zip(("keep", "counts", "indices"), got):
+                assert np.array_equal(array, getattr(want, name).numpy()), (dtype, tau, window, sink, name)
     report = validate_bundle(bundle, model_level=False)
     plugin = next(c for c in report["checks"] if c["name"] == "operator:threshold_compaction_plugin")
     assert plugin["status"] == "passed" and plugin["detail"]["comparison"] == "exact"
