@@ -92,6 +92,23 @@ def checkpoint_variant(config, asked: str | None, where: Path) -> str:
     return actual
 
 
+def _stops_on_interrupt(progress: Progress) -> Progress:
+    """Every step of every stage first re-raises an interrupt a library may have caught (``interrupts.check``)."""
+    from kvzap_export import interrupts
+
+    def start(description: str, total: int) -> Callable[[], None]:
+        interrupts.check()
+        advance = progress(description, total)
+
+        def step(*args, **kwargs):
+            interrupts.check()
+            return advance(*args, **kwargs)
+
+        return step
+
+    return start
+
+
 def _noop_progress(_description: str, _total: int) -> Callable[[], None]:
     return lambda: None
 
@@ -204,7 +221,7 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
     from kvzap_export.export.surrogate_onnx import export_surrogate
     from kvzap_export.surrogate import load_surrogate, resolve_weights
 
-    progress = progress or _noop_progress
+    progress = _stops_on_interrupt(progress or _noop_progress)
     resolved = resolve(options)
     if options.require_trt:  # fail before the export's work, not after it
         from kvzap_export.trt.availability import tensorrt_status

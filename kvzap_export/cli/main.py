@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from kvzap_export import __version__
+from kvzap_export import __version__, interrupts
 from kvzap_export.errors import KvzapError
 
 # name -> "module:attribute" of a click command; imported only when that command runs.
@@ -78,8 +78,18 @@ def cli(ctx: click.Context, **options) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the process exit code."""
+    with interrupts.remembered():
+        return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     try:
-        cli.main(args=argv, prog_name="kvzap-export", standalone_mode=False)
+        try:
+            cli.main(args=argv, prog_name="kvzap-export", standalone_mode=False)
+        except Exception:
+            if interrupts.interrupted():  # an error raised while a library handled the interrupt: the interrupt
+                raise KeyboardInterrupt from None
+            raise
     except KvzapError as exc:
         click.echo(f"{exc.label}: {exc}", err=True)
         return exc.exit_code
