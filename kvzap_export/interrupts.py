@@ -19,9 +19,10 @@ _seen = threading.Event()
 
 @contextlib.contextmanager
 def remembered():
-    """Records SIGINT for ``check()`` / ``interrupted()`` while active (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    """Records SIGINT for ``check()`` / ``interrupted()`` while active (main thread only, and not where SIGINT is
+    ignored; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # not the main thread, or a process told to ignore Ctrl-C (a background job): left as it is
         return
 
     def handler(_signum, _frame):

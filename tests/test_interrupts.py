@@ -22,6 +22,23 @@ def _swallowing_library():
 
 
 def test_an_interrupt_a_library_swallowed_is_raised_at_the_next_check():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # CI may run with SIGINT ignored
+    try:
+        _remembered_and_restored()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_where_sigint_is_ignored_it_stays_ignored():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts.remembered():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _remembered_and_restored():
     with interrupts.remembered():
         assert _swallowing_library() == "went on"
         assert interrupts.interrupted()

@@ -26,7 +26,10 @@ def medium(tmp_path_factory):
 def _start(preset, weights, out, *extra):
     cmd = [sys.executable, "-m", "kvzap_export.cli.main", "--model", str(preset), "--weights", str(weights),
            "--out", str(out), "--quiet", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A harness that runs the tests in the background may have SIGINT ignored; the export gets the default, as a
+    # user's terminal gives it (Python installs its KeyboardInterrupt handler only where SIGINT is not ignored).
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_onnx_in_tmp(parent: Path, name: str, proc, timeout=120.0):
