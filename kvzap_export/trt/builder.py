@@ -218,17 +218,17 @@ def build_into(directory: Path, manifest: dict, options: BuildOptions, on_step: 
             except KvzapError as exc:
                 if not (plugin and options.plugin_optional):
                     raise
+                plan = None
                 skipped.append({"source": artifact["path"], "reason": f"the plugin-node engine did not build: {exc}"})
-                if on_step:
-                    on_step()
-                continue
-            path = engine_path_for(artifact["path"])
-            if any(e["path"] == path for e in built):
-                raise BundleError(f"{artifact['path']}: its engine name {path} is taken by another artifact")
-            _write_atomically(directory / path, plan)
-            built.append({"kind": "trt_engine", "path": path, "source": artifact["path"], "inputs": artifact["inputs"],
-                          "outputs": artifact["outputs"],
-                          "profile": {name: {"min": list(lo), "opt": list(opt), "max": list(hi)} for name, (lo, opt, hi) in shapes.items()}})
+            if plan is not None:
+                path = engine_path_for(artifact["path"])
+                if any(e["path"] == path for e in built):
+                    raise BundleError(f"{artifact['path']}: its engine name {path} is taken by another artifact")
+                _write_atomically(directory / path, plan)
+                built.append({"kind": "trt_engine", "path": path, "source": artifact["path"],
+                              "inputs": artifact["inputs"], "outputs": artifact["outputs"],
+                              "profile": {name: {"min": list(lo), "opt": list(opt), "max": list(hi)}
+                                          for name, (lo, opt, hi) in shapes.items()}})
         if on_step:
             on_step()
     if cache_bytes:

@@ -57,11 +57,16 @@ def _reference_compaction(sink: int, dtype: str):
 
 
 def _reference_kv(dtype: str):
-    """The K/V move in the bundle's dtype (bfloat16 feeds travel as float32 holding bfloat16 values)."""
     from kvzap_export.ops import kv_compaction
 
+    return _kv_move_in(kv_compaction, dtype)
+
+
+def _kv_move_in(move, dtype: str):
+    """``move`` (the reference's or a kernel's K/V move) in the bundle's dtype (bfloat16 feeds travel as float32
+    holding bfloat16 values)."""
     torch_dtype = TORCH_DTYPES[dtype]
-    return lambda keys, values, indices: kv_compaction(keys.to(torch_dtype), values.to(torch_dtype), indices)
+    return lambda keys, values, indices: move(keys.to(torch_dtype), values.to(torch_dtype), indices)
 
 
 def _kernel_compaction(kernels, sink: int, dtype: str):
@@ -74,8 +79,7 @@ def _kernel_compaction(kernels, sink: int, dtype: str):
 
 
 def _kernel_kv(kernels, dtype: str):
-    torch_dtype = TORCH_DTYPES[dtype]
-    return lambda keys, values, indices: kernels.kv_compaction(keys.to(torch_dtype), values.to(torch_dtype), indices)
+    return _kv_move_in(kernels.kv_compaction, dtype)
 
 
 def _onnxrt_skip_reason(kind: str, dtype: str, backends) -> str | None:
