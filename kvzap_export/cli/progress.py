@@ -16,9 +16,10 @@ def progress_bars(enabled: bool) -> Iterator[Callable[[str, int], Callable[[], N
         yield None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+               TimeRemainingColumn())
     bars = Progress(*columns, console=Console(stderr=True), transient=False)
 
     def start(description: str, total: int) -> Callable[[], None]:

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 
 METHODS = ("kvzap", "random", "recent")
+TEXTS = {"legal": "legal and licence texts (a held-out domain: never trained on)",
+         "quotations": "quotations, jokes and verse (a held-out domain: never trained on)",
+         "python-docs": "Python documentation reserved for validation (a trained-on kind of text, these topics never trained on)"}
 DEFAULT_QUANTILES = (0.25, 0.45, 0.63, 0.8, 0.95)
 
 
@@ -37,28 +40,51 @@ def _quality(logits: torch.Tensor, full_logits: torch.Tensor, ids: torch.Tensor,
     return agree, nll
 
 
+def evaluation_texts(text: str, count: int, tokenizer, seed: int = 0) -> list[str]:
+    """``count`` texts of the kind ``text`` (a key of TEXTS) that the shipped surrogates never trained on."""
+    from kvzap_export.errors import ConfigError
+
+    if text not in TEXTS:
+        raise ConfigError(f"--text {text!r}: use one of {', '.join(TEXTS)}")
+    if text == "python-docs":
+        from kvzap_export.texts import held_out_texts
+
+        try:
+            return held_out_texts(count)
+        except ValueError as exc:
+            raise ConfigError(f"--prompts {count}: {exc}") from None
+    from kvzap_export.train.data import domain_prompts
+    from kvzap_export.train.sources import domain_sources
+
+    docs = [source.load() for source in domain_sources(text)]
+    return [p.text for p in domain_prompts(tokenizer, text, docs, count, seed, test=True)]
+
+
 def evaluate_quality(model: str = "smollm2-135m", variant: str = "mlp", weights: str | None = None, thresholds=None,
-                     prompts: int = 4, prompt_tokens: int = 600, new_tokens: int = 64, seed: int = 0, progress=None) -> dict:
+                     prompts: int = 4, prompt_tokens: int = 600, new_tokens: int = 64, seed: int = 0, progress=None,
+                     text: str = "legal") -> dict:
     from kvzap_export.evaluate.masked import layer_masks, prune_bias
     from kvzap_export.llm import capture_hidden_states, load_llm
     from kvzap_export.ops import threshold_compaction
     from kvzap_export.presets import load_preset
     from kvzap_export.surrogate import load_surrogate, resolve_weights
-    from kvzap_export.texts import held_out_texts
-
     preset = load_preset(model)
     window = preset.pruning.window
     surrogate = load_surrogate(resolve_weights(preset, variant, weights), preset)
     llm, tokenizer = load_llm(model, attn_implementation="eager")
     heads = llm.config.num_attention_heads
-    texts = held_out_texts(prompts)
+    texts = evaluation_texts(text, prompts, tokenizer, seed)
+    if len(texts) < prompts:
+        from kvzap_export.errors import ConfigError
+
+        raise ConfigError(f"--prompts {prompts}: the {text} text holds only {len(texts)} prompts; ask for fewer")
     gen = torch.Generator().manual_seed(seed)
     rows: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
     full_nll = []
     advance = progress("evaluate prompts", len(texts)) if progress else None
     chosen_thresholds = None
-    for text in texts:
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, : prompt_tokens + new_tokens]
+    for document in texts:
+        ids = tokenizer(document, return_tensors="pt").input_ids[:, : prompt_tokens + new_tokens]
         prompt_len = ids.shape[1] - new_tokens
         with capture_hidden_states(llm) as hidden, torch.no_grad():
             full_logits = llm(input_ids=ids).logits
@@ -93,7 +119,8 @@ def evaluate_quality(model: str = "smollm2-135m", variant: str = "mlp", weights:
         results.append({"threshold": tau, "method": method, "compression": sum(v[0] for v in values) / n,
                         "next_token_agreement": sum(v[1] for v in values) / n,
                         "perplexity": math.exp(sum(v[2] for v in values) / n)})
-    return {"model": preset.name, "variant": variant, "prompts": len(texts), "prompt_tokens": prompt_tokens,
+    return {"model": preset.name, "variant": variant, "text": text, "text_kind": TEXTS[text], "prompts": len(texts),
+            "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens, "window": window, "full_cache_perplexity": math.exp(sum(full_nll) / len(full_nll)),
             "results": sorted(results, key=lambda r: (r["threshold"], METHODS.index(r["method"])))}
 
@@ -111,7 +138,7 @@ def write_evaluation(out: Path, report: dict) -> None:
     report = {**report, "at_half_compression": half}
     (out / "evaluate.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Does pruning hurt? {report['model']} ({report['variant']} surrogate)", "",
-             f"{report['prompts']} held-out prompts of {report['prompt_tokens']} tokens, {report['new_tokens']}-token continuations "
+             f"{report['prompts']} prompts of {report['prompt_tokens']} tokens of {report.get('text_kind', 'held-out text')}, {report['new_tokens']}-token continuations "
              f"teacher-forced; window {report['window']}. Full-cache perplexity {report['full_cache_perplexity']:.2f}.", "",
              "| τ | method | compression | next-token agreement | perplexity |", "|---|---|---|---|---|"]
     for r in report["results"]:

@@ -2,7 +2,9 @@
 
 Linear: sklearn's ``Ridge()`` (alpha 1, intercept), solved in closed form in float64.
 MLP: hidden D/8, exact GELU, MSE, AdamW lr 5e-3, batch 512, cosine schedule, grad-norm clip 1.0,
-5% of the training pairs held aside for validation (reported), as kvpress's training script.
+5% of the training pairs held aside for validation (reported), as kvpress's training script, except the
+weight decay: 0.1 by default (kvpress: AdamW's 0.01), which on SmolLM2 raised held-back R² by about 0.01
+on the layers tried.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def fit_linear(features: torch.Tensor, targets: torch.Tensor, on_layer: Callable
 
 
 def fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_dim: int, epochs: int = 15, batch_size: int = 512,
-            lr: float = 5e-3, seed: int = 0, on_layer: Callable[[int], None] | None = None) -> tuple[Surrogate, list[float]]:
+            lr: float = 5e-3, weight_decay: float = 0.1, seed: int = 0, on_layer: Callable[[int], None] | None = None) -> tuple[Surrogate, list[float]]:
     """features (N, L, D), targets (N, L, H) -> (MLP Surrogate, validation MSE per layer)."""
     n, layers, dim = features.shape
     gen = torch.Generator().manual_seed(seed)
@@ -52,9 +54,9 @@ def fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_dim: int, epoc
     val_losses = []
     for layer in range(layers):
         module = surrogate.layers[layer]
-        x, y = features[:, layer].float(), targets[:, layer].float()
+        x, y = features[:, layer].float().contiguous(), targets[:, layer].float().contiguous()
         steps = epochs * max(1, (len(train_idx) + batch_size - 1) // batch_size)
-        optim = torch.optim.AdamW(module.parameters(), lr=lr)
+        optim = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=steps)
         for _ in range(epochs):
             perm = train_idx[torch.randperm(len(train_idx), generator=gen)]

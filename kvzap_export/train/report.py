@@ -1,4 +1,8 @@
-"""Training report: held-out squared Pearson correlation (R²) per layer and per head; table, plot, JSON."""
+"""Training report: squared Pearson correlation (R²) per layer and KV head, per domain; tables, plots, JSON.
+
+Domains: each training domain's evaluation prompts (never trained on), the same pooled ("in-domain"),
+and the held-out domains, whose text of no kind was trained on.
+"""
 
 from __future__ import annotations
 
@@ -21,49 +25,100 @@ def predict(surrogate, features: torch.Tensor) -> torch.Tensor:
         return torch.stack([surrogate.score(layer, features[:, layer].float()) for layer in range(features.shape[1])], dim=1)
 
 
-def write_report(out: Path, results: dict[str, torch.Tensor], meta: dict) -> dict:
-    """results: variant -> R² (L, H). Writes report.md, report.json and r2.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {v: {"mean_r2": float(r2.mean()), "per_layer": r2.mean(1).tolist(), "per_layer_head": r2.tolist()}
-               for v, r2 in results.items()}
-    (out / "report.json").write_text(json.dumps({**meta, "variants": summary}, indent=2) + "\n")
-    variants = list(results)
+def summarize(results: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """variant -> domain -> {mean_r2, worst_layer, worst_layer_r2, per_layer, per_layer_head}."""
+    out = {}
+    for variant, domains in results.items():
+        out[variant] = {}
+        for domain, r2 in domains.items():
+            per_layer = r2.mean(1)
+            out[variant][domain] = {"mean_r2": float(r2.mean()), "worst_layer": int(per_layer.argmin()),
+                                    "worst_layer_r2": float(per_layer.min()), "per_layer": per_layer.tolist(),
+                                    "per_layer_head": r2.tolist()}
+    return out
+
+
+def _order(meta: dict, domains) -> list[str]:
+    held = set(meta.get("held_out_domains", []))
+    return sorted(domains, key=lambda d: (d in held, d != "in-domain", d))
+
+
+def _markdown(summary: dict, meta: dict) -> list[str]:
+    variants = list(summary)
+    domains = _order(meta, next(iter(summary.values())))
+    held = set(meta.get("held_out_domains", []))
+    pairs = meta.get("evaluation_pairs", {})
     lines = [f"# KVzap surrogate training report: {meta.get('model')}", "",
-             f"Held-out squared Pearson correlation (R²) between predicted and KVzip+ log-scores, on "
-             f"{meta.get('held_out_pairs')} held-out token positions (each scored at every layer and KV head) from {meta.get('held_out_prompts')} prompts never "
-             f"seen in training.", "",
-             "| variant | mean R² over (layer, head) |", "|---|---|"]
-    lines += [f"| {v} | {summary[v]['mean_r2']:.3f} |" for v in variants]
-    heads = next(iter(results.values())).shape[1]
-    lines += ["", "Per layer (mean over heads; then each head):", "",
-              "| layer | " + " | ".join(f"{v} mean" for v in variants) + " | " +
-              " | ".join(f"{v} h{h}" for v in variants for h in range(heads)) + " |",
-              "|---|" + "---|" * (len(variants) * (heads + 1))]
-    for layer in range(next(iter(results.values())).shape[0]):
-        cells = [f"{float(results[v][layer].mean()):.3f}" for v in variants]
-        cells += [f"{float(results[v][layer, h]):.3f}" for v in variants for h in range(heads)]
-        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    lines += ["", "Command:", "", "```", meta.get("command", ""), "```", ""]
+             f"Squared Pearson correlation (R²) between predicted and KVzip+ log-scores, per (layer, KV head), on text "
+             f"never trained on: each training domain's evaluation prompts (1 in 8, pooled as *in-domain*) and the "
+             f"held-out domains ({', '.join(sorted(held)) or 'none'}), whose kind of text was never trained on. "
+             f"Trained on {meta.get('train_pairs')} (position, layer-stack) pairs.", "",
+             "| domain | role | evaluation positions | " + " | ".join(f"{v} mean R² | {v} worst layer" for v in variants) + " |",
+             "|---|---|---|" + "---|---|" * len(variants)]
+    for d in domains:
+        role = "held out" if d in held else ("pooled" if d == "in-domain" else "in-domain")
+        cells = [f"{summary[v][d]['mean_r2']:.3f} | {summary[v][d]['worst_layer_r2']:.3f} (layer {summary[v][d]['worst_layer']})"
+                 for v in variants]
+        lines.append(f"| {d} | {role} | {pairs.get(d, '')} | " + " | ".join(cells) + " |")
+    for v in variants:
+        lines += ["", f"## {v}: R² per layer (mean over KV heads)", "",
+                  "| layer | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+        for layer in range(len(summary[v][domains[0]]["per_layer"])):
+            lines.append(f"| {layer} | " + " | ".join(f"{summary[v][d]['per_layer'][layer]:.3f}" for d in domains) + " |")
+        heads = len(summary[v][domains[0]]["per_layer_head"][0])
+        lines += ["", f"## {v}: R² per layer and KV head", "",
+                  "| layer | " + " | ".join(f"{d} h{h}" for d in domains for h in range(heads)) + " |",
+                  "|---|" + "---|" * (len(domains) * heads)]
+        for layer in range(len(summary[v][domains[0]]["per_layer"])):
+            lines.append(f"| {layer} | " + " | ".join(f"{summary[v][d]['per_layer_head'][layer][h]:.3f}"
+                                                      for d in domains for h in range(heads)) + " |")
+    lines += ["", "## Corpus", "", "| domain | training prompts | evaluation prompts | what |", "|---|---|---|---|"]
+    for d, c in sorted(meta.get("prompts_per_domain", {}).items()):
+        lines.append(f"| {d} | {c['train']} | {c['evaluation']} | {meta.get('domains', {}).get(d, '')} |")
+    if meta.get("sources"):
+        lines += ["", "| source | domain | title | licence | installed by |", "|---|---|---|---|---|"]
+        lines += [f"| {s['name']} | {s['domain']} | {s['title']} | {s['licence']} | {s['provider']} |" for s in meta["sources"]]
+    if meta.get("data"):
+        lines += ["", f"Training text: the user's data ({', '.join(meta['data'])})."]
+    lines += ["", f"Target collection {meta.get('target_collection_s')} s, fits {meta.get('fit_s')} s, in all "
+              f"{meta.get('total_s')} s. Command:", "", "```", meta.get("command", ""), "```", ""]
     if meta.get("notes"):
         lines += ["Notes:", "", *[f"- {n}" for n in meta["notes"]], ""]
-    (out / "report.md").write_text("\n".join(lines))
+    return lines
+
+
+def _plot(out: Path, summary: dict, meta: dict) -> None:
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for v, r2 in results.items():
-            ax.plot(r2.mean(1).numpy(), marker="o", ms=3, label=f"{v} (mean {float(r2.mean()):.2f})")
-        ax.set_xlabel("layer")
-        ax.set_ylabel("held-out R² (mean over KV heads)")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"KVzap surrogate fit: {meta.get('model')}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "r2.png", dpi=110)
-        plt.close(fig)
     except ModuleNotFoundError:
-        pass
-    return summary
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    held = set(meta.get("held_out_domains", []))
+    fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.2), squeeze=False, sharey=True)
+    for ax, (variant, domains) in zip(axes[0], summary.items(), strict=True):
+        for d in _order(meta, domains):
+            r = domains[d]
+            style = "--" if d in held else ("-" if d == "in-domain" else ":")
+            ax.plot(r["per_layer"], style, marker="o", ms=2.5, lw=2 if d == "in-domain" or d in held else 1,
+                    label=f"{d}{' (held out)' if d in held else ''}: {r['mean_r2']:.2f}")
+        ax.set_title(f"{meta.get('model')}: {variant} surrogate")
+        ax.set_xlabel("layer")
+        ax.set_ylim(0, 1)
+        ax.axhline(0.6, color="grey", lw=0.5)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("R² (mean over KV heads)")
+    fig.tight_layout()
+    fig.savefig(out / "r2.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, results: dict[str, dict[str, torch.Tensor]], meta: dict) -> dict:
+    """results: variant -> domain -> R² (L, H). Writes report.md, report.json and r2.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results)
+    (out / "report.json").write_text(json.dumps({**meta, "variants": summary}, indent=2) + "\n")
+    (out / "report.md").write_text("\n".join(_markdown(summary, meta)))
+    _plot(out, summary, meta)
+    return {v: {d: s["mean_r2"] for d, s in domains.items()} for v, domains in summary.items()}

@@ -187,3 +187,23 @@ def test_help_explains_the_pipeline(capsys):
     out = capsys.readouterr().out
     for needle in ("--model", "--out", "--weights", "--dtype", "--force", "--json", "export", "presets"):
         assert needle in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--data", "{tmp}/nope.txt"], "--data {tmp}/nope.txt: no such file or folder"),
+    (["--data", "{tmp}/bad.jsonl"], "bad.jsonl:1: not JSON"),
+    (["--prompts-per-domain", "1"], "--prompts-per-domain 1"),
+    (["--positions-per-prompt", "-1"], "--positions-per-prompt -1"),
+])
+def test_train_rejects_bad_input_in_one_line_before_loading_the_model(tmp_path, capsys, monkeypatch, args, needle):
+    import kvzap_export.llm
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(kvzap_export.llm, "load_llm", no_model)
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    code, err = _run(["train", "--model", "smollm2-135m", "--out", tmp_path / "out", *args], capsys)
+    _assert_one_line_error(code, err, needle.format(tmp=tmp_path))
+    assert not (tmp_path / "out").exists()

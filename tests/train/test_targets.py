@@ -72,3 +72,75 @@ def test_model_targets_match_loops_on_tiny_llama(tiny):
         expected = loop_reference(out.attentions[layer_idx][0], v, layer.self_attn.o_proj.weight, x, keys, queries, 2)
         torch.testing.assert_close(targets[:, layer_idx], expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(features[:, layer_idx], x[keys])
+
+
+def _qk_case(seed=2, heads=4, kv=2, d=8, t=12, hid=6):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(heads, t, d, generator=gen), torch.randn(kv, t, d, generator=gen), torch.randn(kv, t, d, generator=gen)
+    o_weight, hidden = torch.randn(hid, heads * d, generator=gen), torch.randn(t, hid, generator=gen)
+    return q, k, v, o_weight, hidden
+
+
+def _probabilities(q, k, scaling, allowed):
+    group = q.shape[0] // k.shape[0]
+    logits = (q @ k.repeat_interleave(group, 0).transpose(1, 2)) * scaling
+    return logits.masked_fill(~allowed, -math.inf).softmax(-1)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+def test_scores_from_queries_and_keys_equal_the_formula_on_softmax_probabilities(mask_kind):
+    """The block computation (log domain, only the repeated rows) against kvzip_scores on a full softmax matrix."""
+    from kvzap_export.train.targets import log_scores_from_qk
+
+    q, k, v, o_weight, hidden = _qk_case()
+    t, scaling = q.shape[1], 0.35
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    if mask_kind != "causal":
+        allowed[:, 0] = False  # a key no query may see (as a sliding window or padding would)
+        allowed[0, 0] = True
+    mask = {"causal": None, "bool": allowed, "additive": torch.zeros(t, t).masked_fill(~allowed, -math.inf)}[mask_kind]
+    keys, queries = slice(1, 5), slice(7, 12)
+    got = log_scores_from_qk(q, k, v, o_weight, hidden, keys, queries, scaling, mask)
+    expected = kvzip_scores(_probabilities(q, k, scaling, allowed), v.transpose(0, 1), o_weight, hidden, keys, queries, 2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_log_sum_exp_path_equals_the_explicit_one():
+    from kvzap_export.train.targets import _attention_with_lse, log_scores_from_qk
+
+    q, k, v, o_weight, hidden = _qk_case(seed=3)
+    fused = _attention_with_lse(q[None], k[None], v[None], 0.35)
+    if fused is None:
+        pytest.skip("this torch build has no CPU flash-attention kernel returning the log-sum-exp")
+    output, lse = fused
+    keys, queries = slice(1, 5), slice(7, 12)
+    explicit = log_scores_from_qk(q, k, v, o_weight, hidden, keys, queries, 0.35)
+    torch.testing.assert_close(log_scores_from_qk(q, k, v, o_weight, hidden, keys, queries, 0.35, lse=lse), explicit,
+                               rtol=1e-5, atol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[None], k.repeat_interleave(2, 0)[None], v.repeat_interleave(2, 0)[None],
+                                                            is_causal=True, scale=0.35)
+    torch.testing.assert_close(output, sdpa.transpose(1, 2))
+    with pytest.raises(ValueError, match="keys before the queries"):
+        log_scores_from_qk(q, k, v, o_weight, hidden, slice(1, 9), queries, 0.35, lse=lse)
+
+
+def test_the_model_is_left_as_it_was(tiny):
+    """layer_targets swaps the attention implementation for one forward and restores it, even on error."""
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize=False):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+            return {"input_ids": [ord(c) % 64 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+    before = tiny.config._attn_implementation
+    layer_targets(tiny, Tok(), "abcdefgh")
+    assert tiny.config._attn_implementation == before
+    class OutOfVocabulary(Tok):
+        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+            return {**super().__call__(text), "input_ids": [1000] * len(text)}
+
+    with pytest.raises(IndexError):
+        layer_targets(tiny, OutOfVocabulary(), "abcdefgh")  # the embedding lookup fails inside the forward
+    assert tiny.config._attn_implementation == before
