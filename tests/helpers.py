@@ -1,4 +1,4 @@
-"""Test helpers: synthetic kvpress-format checkpoints with a preset's exact shapes; counting host reads."""
+"""Test helpers: synthetic kvpress-format checkpoints with a preset's exact shapes; counting host reads; a word tokenizer."""
 
 from __future__ import annotations
 
@@ -52,3 +52,13 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word; decode joins with spaces (enough for cutting prompts)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": text.split()})()
+
+    def decode(self, ids):
+        return " ".join(ids)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from kvzap_export.errors import ConfigError
+
 METHODS = ("kvzap", "random", "recent")
 TEXTS = {"legal": "legal and licence texts (a held-out domain: never trained on)",
          "quotations": "quotations, jokes and verse (a held-out domain: never trained on)",
@@ -42,8 +44,6 @@ def _quality(logits: torch.Tensor, full_logits: torch.Tensor, ids: torch.Tensor,
 
 def evaluation_texts(text: str, count: int, tokenizer, seed: int = 0) -> list[str]:
     """``count`` texts of the kind ``text`` (a key of TEXTS) that the shipped surrogates never trained on."""
-    from kvzap_export.errors import ConfigError
-
     if text not in TEXTS:
         raise ConfigError(f"--text {text!r}: use one of {', '.join(TEXTS)}")
     if text == "python-docs":
@@ -75,8 +75,6 @@ def evaluate_quality(model: str = "smollm2-135m", variant: str = "mlp", weights:
     heads = llm.config.num_attention_heads
     texts = evaluation_texts(text, prompts, tokenizer, seed)
     if len(texts) < prompts:
-        from kvzap_export.errors import ConfigError
-
         raise ConfigError(f"--prompts {prompts}: the {text} text holds only {len(texts)} prompts; ask for fewer")
     gen = torch.Generator().manual_seed(seed)
     rows: dict[tuple[float, str], list[tuple[float, float, float]]] = {}

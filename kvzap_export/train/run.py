@@ -18,15 +18,13 @@ def _load(done: list[tuple[Prompt, Path]]) -> tuple[tuple[torch.Tensor, torch.Te
     """Training pairs in one preallocated tensor (no second copy), evaluation pairs per domain."""
     from safetensors import safe_open
 
-    shapes = {}
-    for prompt, path in done:
+    train = [path for p, path in done if not p.test]
+    with safe_open(str(train[0]), framework="pt") as f:
+        (_, layers, dim), (_, _, heads) = f.get_slice("features").get_shape(), f.get_slice("targets").get_shape()
+    n = 0
+    for path in train:
         with safe_open(str(path), framework="pt") as f:
-            shapes[path] = (f.get_slice("features").get_shape(), f.get_slice("targets").get_shape())
-    train = [(p, path) for p, path in done if not p.test]
-    if not train or len(train) == len(done):
-        raise ConfigError("training needs training prompts and evaluation prompts; raise --prompts-per-domain")
-    n = sum(shapes[path][0][0] for _, path in train)
-    (_, layers, dim), (_, _, heads) = shapes[train[0][1]]
+            n += f.get_slice("features").get_shape()[0]
     train_x, train_y = torch.empty(n, layers, dim, dtype=torch.float16), torch.empty(n, layers, heads)
     tests: dict[str, tuple[list, list]] = {}
     row = 0

@@ -6,14 +6,7 @@ from kvzap_export.errors import ConfigError
 from kvzap_export.evaluate.run import evaluation_texts
 from kvzap_export.texts import held_out_texts
 from kvzap_export.train import sources
-
-
-class WordTokenizer:
-    def __call__(self, text, add_special_tokens=False):
-        return type("Enc", (), {"input_ids": text.split()})()
-
-    def decode(self, ids):
-        return " ".join(ids)
+from tests.helpers import WordTokenizer
 
 
 def test_a_held_out_domain_gives_prompts_of_that_text(monkeypatch):

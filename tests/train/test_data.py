@@ -7,16 +7,7 @@ import pytest
 from kvzap_export.errors import InputError
 from kvzap_export.train import data, sources
 from kvzap_export.train.data import corpus_prompts, domain_prompts, load_corpus, read_user_data
-
-
-class WordTokenizer:
-    """One token per whitespace-separated word; decode joins with spaces."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return type("Enc", (), {"input_ids": text.split()})()
-
-    def decode(self, ids):
-        return " ".join(ids)
+from tests.helpers import WordTokenizer
 
 
 def words(tag: str, n: int) -> str:

@@ -8,6 +8,14 @@ import torch
 from kvzap_export.train.targets import kvzip_scores, layer_targets
 
 
+class Tok:  # a character-level tokenizer with a chat template, enough for the span logic
+    def apply_chat_template(self, messages, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) % 64 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,13 +55,6 @@ def test_vectorized_formula_matches_loops():
 
 def test_model_targets_match_loops_on_tiny_llama(tiny):
     """Through the real model: attention probabilities, values, o_proj and post-norm inputs from hooks."""
-
-    class Tok:  # a character-level tokenizer with a chat template, enough for the span logic
-        def apply_chat_template(self, messages, tokenize=False):
-            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
-
-        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-            return {"input_ids": [ord(c) % 64 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
 
     text = "abcdefghij"
     features, targets = layer_targets(tiny, Tok(), text)
@@ -126,13 +127,6 @@ def test_the_kernels_log_sum_exp_path_equals_the_explicit_one():
 
 def test_the_model_is_left_as_it_was(tiny):
     """layer_targets swaps the attention implementation for one forward and restores it, even on error."""
-
-    class Tok:
-        def apply_chat_template(self, messages, tokenize=False):
-            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
-
-        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-            return {"input_ids": [ord(c) % 64 for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
 
     before = tiny.config._attn_implementation
     layer_targets(tiny, Tok(), "abcdefgh")
