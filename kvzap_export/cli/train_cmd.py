@@ -21,14 +21,19 @@ import click
 @click.option("--held-out-prompts", default=10, show_default=True, help="Evaluation prompts per held-out domain (legal, quotations).")
 @click.option("--positions-per-prompt", default=0, show_default=True,
               help="Random token positions kept per training prompt; 0 keeps them all (the forward pass costs the same either "
-                   "way; memory is layers x hidden x 2 bytes per position, and a run that would not fit is refused).")
+                   "way; the fit reads the cache a span of layers at a time, and a run of which not even one layer's pairs "
+                   "fit in memory is refused).")
+@click.option("--hidden-dim", type=int, default=None, metavar="N",
+              help="MLP hidden width. Default: the preset's surrogate.mlp_hidden_dim (hidden_size / 8 unless the preset says).")
 @click.option("--epochs", default=15, show_default=True, help="MLP epochs.")
-@click.option("--weight-decay", default=0.1, show_default=True, help="MLP AdamW weight decay (kvpress's script: 0.01).")
+@click.option("--weight-decay", type=float, multiple=True, default=[0.1], show_default=True, metavar="WD",
+              help="MLP AdamW weight decay (kvpress's script: 0.01). Repeat it to fit each layer once per value and keep the "
+                   "one with the best R² on the validation prompts (1 in 8 training prompts, not trained on).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--cache-dir", type=click.Path(), default=None, help="Target cache (resumable). Default: DIR/targets-cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def train(model, variant, out, data, prompts_per_domain, held_out_prompts, positions_per_prompt, epochs, weight_decay, seed,
-          cache_dir, as_json) -> None:
+def train(model, variant, out, data, prompts_per_domain, held_out_prompts, positions_per_prompt, hidden_dim, epochs, weight_decay,
+          seed, cache_dir, as_json) -> None:
     """Compute KVzip+ targets with the real model on varied offline text, fit the surrogate (ridge / MLP per
     layer) and report R² per layer and head for every domain: in-domain prompts never trained on, and held-out
     domains (legal and licence texts, quotations) whose kind of text was never trained on.
@@ -43,7 +48,8 @@ def train(model, variant, out, data, prompts_per_domain, held_out_prompts, posit
 
     with progress_bars(enabled=not as_json) as progress:
         result = train_surrogate(model, variant, Path(out), prompts_per_domain, held_out_prompts, positions_per_prompt, epochs,
-                                 weight_decay, seed, Path(cache_dir) if cache_dir else None, list(data) or None, progress)
+                                 list(weight_decay), seed, Path(cache_dir) if cache_dir else None, list(data) or None, progress,
+                                 hidden_dim)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -1,5 +1,9 @@
 """Resumable KVzip+ target collection: one safetensors file per prompt under ``DIR/targets/``.
 
+Files are named by the prompt's domain and text digest, so a later run reuses every prompt it shares with an
+earlier one, whatever their order (e.g. 144 prompts per domain after 48: where each source's share grows by a
+whole factor, the larger run's evenly spaced picks include the smaller run's).
+
 A file records the digest of its prompt's text and how positions were chosen; a file that does not
 match the prompt it is asked for (another corpus, another setting) or that an interrupted run cut
 short is computed again.
@@ -79,7 +83,7 @@ def collect_targets(model, tokenizer, out: Path, prompts: list[Prompt], position
             continue
         features, targets = layer_targets(model, tokenizer, prompt.text)
         if keep and keep < features.shape[0]:
-            gen = torch.Generator().manual_seed(seed * 100_003 + prompt.index)
+            gen = torch.Generator().manual_seed(seed * 100_003 + int(prompt.digest[:12], 16))
             chosen = torch.randperm(features.shape[0], generator=gen)[:keep].sort().values
             features, targets = features[chosen], targets[chosen]
         tmp = path.with_suffix(".tmp")

@@ -31,7 +31,8 @@ class Prompt:
 
     @property
     def key(self) -> str:
-        return f"{self.domain}_{self.index:04d}"
+        """The cache file's name: by content, so a prompt keeps its targets when a larger run re-numbers it."""
+        return f"{self.domain}_{self.digest[:16]}"
 
     @property
     def digest(self) -> str:
@@ -111,7 +112,9 @@ def corpus_prompts(tokenizer, corpus: Corpus, prompts_per_domain: int, held_out_
     prompts: list[Prompt] = []
     for domain, docs in corpus.items():
         held = domain in HELD_OUT_DOMAINS
-        prompts += domain_prompts(tokenizer, domain, docs, held_out_prompts if held else prompts_per_domain, seed, test=held)
+        chosen = domain_prompts(tokenizer, domain, docs, held_out_prompts if held else prompts_per_domain, seed, test=held)
+        seen: set[str] = set()  # a text repeated in the corpus: one prompt (its cache file is named by the text)
+        prompts += [p for p in chosen if not (p.digest in seen or seen.add(p.digest))]
     if not any(not p.test for p in prompts):
         raise InputError(f"the training text makes {sum(p.domain not in HELD_OUT_DOMAINS for p in prompts)} prompt(s) of "
                          f"{MIN_TOKENS}-{MAX_TOKENS} tokens, all kept for evaluation (1 in {HOLDOUT_EVERY}); give more text")

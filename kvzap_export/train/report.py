@@ -80,6 +80,12 @@ def _markdown(summary: dict, meta: dict) -> list[str]:
         lines += [f"| {s['name']} | {s['domain']} | {s['title']} | {s['licence']} | {s['provider']} |" for s in meta["sources"]]
     if meta.get("data"):
         lines += ["", f"Training text: the user's data ({', '.join(meta['data'])})."]
+    if meta.get("mlp_hidden_dim"):
+        decays = meta.get("weight_decay") or []
+        decay = (f"AdamW weight decay chosen per layer from {', '.join(f'{d:g}' for d in decays)} by validation R²"
+                 if len(decays) > 1 else f"AdamW weight decay {decays[0]:g}" if decays else "")
+        lines += ["", f"MLP: hidden width {meta['mlp_hidden_dim']}, {meta.get('epochs')} epochs, {decay}, targets standardized "
+                  f"per KV head while fitting (folded back into the output layer)."]
     lines += ["", f"Target collection {meta.get('target_collection_s')} s, fits {meta.get('fit_s')} s, in all "
               f"{meta.get('total_s')} s. Command:", "", "```", meta.get("command", ""), "```", ""]
     if meta.get("notes"):

@@ -32,6 +32,39 @@ def test_linear_and_mlp_recover_a_learnable_target():
     assert r2_mlp.min() > 0.8 and all(v < 1.0 for v in val)
 
 
+def test_mlp_predicts_in_the_targets_units_after_standardized_fitting():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, 1, 8, generator=gen)
+    y = 40.0 * torch.tanh(x[..., :3]) - 25.0 + 0.1 * torch.randn(3000, 1, 3, generator=gen)  # large scale, offset
+    mlp, val = fit_mlp(x[:2500], y[:2500], hidden_dim=32, epochs=40, batch_size=128)
+    pred = predict(mlp, x[2500:])
+    assert r2_per_head(pred, y[2500:]).min() > 0.9
+    assert (pred - y[2500:]).abs().mean() < 0.25 * y.std()  # folded back: log-score units, not standardized ones
+    assert val[0] < 0.1 * float(y.var())
+
+
+def test_ridge_in_chunks_equals_one_block(monkeypatch):
+    from kvzap_export.train import fit
+
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(1000, 5, generator=gen).half(), torch.randn(1000, 2, generator=gen)
+    whole = ridge(x, y)
+    monkeypatch.setattr(fit, "CHUNK", 64)
+    chunked = ridge(x, y)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, chunked, strict=True))
+
+
+def test_layers_per_pass_fills_the_memory_share():
+    from kvzap_export.train.pairs import MEMORY_SHARE, layers_per_pass, pass_bytes
+
+    assert pass_bytes(1000, 100, 7, 16, 2) == (1000 + 200) * 7 * (16 * 2 + 2 * 4) + 1000 * 16 * 4
+    memory = int(pass_bytes(1000, 100, 7, 16, 2) / MEMORY_SHARE) + 1
+    assert layers_per_pass(1000, 100, 30, 16, 2, memory) == 7
+    assert layers_per_pass(1000, 100, 5, 16, 2, memory) == 5
+    assert layers_per_pass(1000, 100, 30, 16, 2, 10) == 1  # too little memory: one layer at a time (the run checked it fits)
+    assert layers_per_pass(1000, 100, 30, 16, 2, None) == 30  # unknown: every layer in one pass
+
+
 def test_r2_of_perfect_and_useless_predictors():
     gen = torch.Generator().manual_seed(2)
     t = torch.randn(500, 2, 3, generator=gen)
