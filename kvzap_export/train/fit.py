@@ -2,9 +2,9 @@
 
 Linear: sklearn's ``Ridge()`` (alpha 1, intercept), solved in closed form in float64, the Gram matrix
 accumulated over row chunks so a layer's pairs are never copied whole in float64.
-MLP: exact GELU, MSE, AdamW lr 5e-3, batch 512, cosine schedule, grad-norm clip 1.0, 5% of the training
-pairs held aside for validation (reported), as kvpress's training script, except: the weight decay (0.1 by
-default; kvpress: AdamW's 0.01) and the targets, standardized per KV head while fitting (each head weighs the
+MLP: exact GELU, MSE, AdamW lr 5e-3, batch 512, cosine schedule, grad-norm clip 1.0, as kvpress's training
+script, except: the validation rows (``train`` holds out every 8th training prompt, ``fit_mlp`` 5% of the pairs as
+kvpress), the weight decay (0.1 by default; kvpress: AdamW's 0.01) and the targets, standardized per KV head while fitting (each head weighs the
 same in the loss, as in the R² it is judged by) and folded back into the output layer, so the saved module
 predicts log-scores directly, in kvpress's format.
 """

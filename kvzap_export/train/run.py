@@ -31,7 +31,8 @@ def _fit(done, variants: list[str], hidden_dim: int, epochs: int, weight_decays:
     The MLP of each layer is fitted once per weight decay in ``weight_decays`` on the training prompts less the
     validation prompts (1 in 8); the one with the best validation R² is kept.
 
-    Returns (surrogates, predictions per variant and evaluation domain (n, L, H), evaluation targets, fit seconds, pair counts).
+    Returns (surrogates, predictions per variant and evaluation domain (n, L, H), evaluation targets, fit seconds, pair counts,
+    the MLP's weight decay per layer).
     """
     from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
     from kvzap_export.train.fit import fit_linear_layer, fit_mlp_layer, layer_seed
