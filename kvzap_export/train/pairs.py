@@ -21,12 +21,6 @@ MEMORY_SHARE = 0.5  # of the available memory, for one pass (its pairs and one l
 Pairs = tuple[torch.Tensor, torch.Tensor]  # features (n, layers, D) float16, targets (n, layers, H) float32
 
 
-def available_memory() -> int | None:
-    from kvzap_export.resources import available_memory as room
-
-    return room()
-
-
 def shapes(done: list[tuple[Prompt, Path]]) -> tuple[list[int], int, int, int, int]:
     """(positions of each training file, evaluation positions, layers, hidden size, KV heads), from the files' headers."""
     from safetensors import safe_open
@@ -48,9 +42,10 @@ def prompt_split(counts: list[int], every: int = 8) -> tuple[torch.Tensor, torch
     rows = torch.arange(sum(counts))
     is_val = torch.cat([torch.full((n,), i % every == 3) for i, n in enumerate(counts)]) if counts else torch.zeros(0, dtype=torch.bool)
     if not is_val.any() or is_val.all():  # too few prompts to keep one back: validate on 5% of the pairs
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
-        n_val = max(1, len(rows) // 20)
-        return order[:n_val].sort().values, order[n_val:].sort().values
+        from kvzap_export.train.fit import split
+
+        val, train = split(len(rows), 0)
+        return val.sort().values, train.sort().values
     return rows[is_val], rows[~is_val]
 
 

@@ -36,7 +36,8 @@ def _fit(done, variants: list[str], hidden_dim: int, epochs: int, weight_decays:
     """
     from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
     from kvzap_export.train.fit import fit_linear_layer, fit_mlp_layer, layer_seed
-    from kvzap_export.train.pairs import available_memory, layers_per_pass, prompt_split, read_layers, shapes
+    from kvzap_export.resources import available_memory
+    from kvzap_export.train.pairs import layers_per_pass, prompt_split, read_layers, shapes
     from kvzap_export.train.report import r2_per_head
 
     counts, n_test, layers, dim, heads = shapes(done)
@@ -101,7 +102,8 @@ def _model_id(preset, llm) -> str:
 def _check_memory(prompts: list[Prompt], positions_per_prompt: int, preset) -> None:
     """Refuses a run of which not even one layer's pairs fit in memory (the fit reads the cache a span of layers at a time)."""
     from kvzap_export.train.data import MAX_TOKENS
-    from kvzap_export.train.pairs import MEMORY_SHARE, available_memory, pass_bytes
+    from kvzap_export.resources import available_memory
+    from kvzap_export.train.pairs import MEMORY_SHARE, pass_bytes
 
     train = sum(1 for p in prompts if not p.test) * (positions_per_prompt or MAX_TOKENS)
     test = sum(1 for p in prompts if p.test) * MAX_TOKENS
