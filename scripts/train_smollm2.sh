@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${CACHE:-.cache/train_smollm2}
 kvzap-export train --model smollm2-135m --variant both --out kvzap_export/assets/smollm2-135m \
-  --prompts-per-domain 144 --held-out-prompts 10 --positions-per-prompt 0 --hidden-dim 144 --epochs 15 --weight-decay 0.03 --weight-decay 0.3 --seed 0 --cache-dir "$CACHE"
+  --prompts-per-domain 288 --held-out-prompts 10 --positions-per-prompt 0 --hidden-dim 144 --epochs 15 --weight-decay 0.03 --weight-decay 0.3 --seed 0 --cache-dir "$CACHE"
