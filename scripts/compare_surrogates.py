@@ -32,12 +32,12 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from safetensors import safe_open
 
     from kvzap_export.errors import KvzapError
     from kvzap_export.llm import load_llm
     from kvzap_export.surrogate.loader import load_surrogate
     from kvzap_export.train.data import corpus_prompts, load_corpus
+    from kvzap_export.train.pairs import read_layers, shapes
     from kvzap_export.train.report import predict, r2_per_head
     from kvzap_export.train.sources import HELD_OUT_DOMAINS
 
@@ -59,17 +59,14 @@ def main() -> int:
     print("| text | positions | old mean R² | old worst layer | new mean R² | new worst layer |")
     print("|---|---|---|---|---|---|")
     for name, prompts in sets.items():
-        xs, ys = [], []
-        for prompt in prompts:
-            path = args.cache_dir / "targets" / f"{prompt.key}.safetensors"
-            if not path.is_file():
-                print(f"error: {path} is not cached; run kvzap-export train with --prompts-per-domain "
-                      f"{args.old_prompts} and {args.new_prompts} on --cache-dir {args.cache_dir} first", file=sys.stderr)
-                return 2
-            with safe_open(str(path), framework="pt") as f:
-                xs.append(f.get_tensor("features"))
-                ys.append(f.get_tensor("targets"))
-        x, y = torch.cat(xs), torch.cat(ys)
+        done = [(prompt, args.cache_dir / "targets" / f"{prompt.key}.safetensors") for prompt in prompts]
+        missing = next((path for _, path in done if not path.is_file()), None)
+        if missing is not None:
+            print(f"error: {missing} is not cached; run kvzap-export train with --prompts-per-domain "
+                  f"{args.old_prompts} and {args.new_prompts} on --cache-dir {args.cache_dir} first", file=sys.stderr)
+            return 2
+        _, tests = read_layers(done, 0, shapes(done)[2], 0)  # every prompt here is an evaluation prompt
+        x, y = (torch.cat(parts) for parts in zip(*tests.values()))
         cells = []
         for surrogate in surrogates.values():
             r2 = r2_per_head(predict(surrogate, x), y)
