@@ -181,8 +181,22 @@ def _portable_options(options: ExportOptions) -> dict[str, Any]:
     return values
 
 
-def rebuild_commands(manifest: dict) -> dict[str, list[str]]:
-    """trtexec / polygraphy lines a user runs on a TensorRT machine, relative to the bundle root."""
+def replay_tolerance(surrogate, layer: int, dtype: str, tokens: int) -> float:
+    """``--atol`` of a Polygraphy comparison of two correct engines of this layer (e.g. ONNX Runtime and TensorRT) on
+    Polygraphy's default inputs (uniform in [0, 1)): each is within the bound of ``validate.error_bounds`` of the
+    exact scores, so they differ by at most twice its largest value (computed on such inputs, seeded)."""
+    import numpy as np
+
+    from kvzap_export.validate.error_bounds import reference_and_bound
+
+    x = np.random.default_rng(layer).random((tokens, surrogate.config.input_dim), dtype=np.float32)
+    return 2.0 * float(reference_and_bound(surrogate.layers[layer], x, dtype).bound.max())
+
+
+def rebuild_commands(manifest: dict, surrogate=None) -> dict[str, list[str]]:
+    """trtexec / polygraphy lines a user runs on a TensorRT machine, relative to the bundle root. With the
+    ``surrogate``, each Polygraphy line's tolerance is derived from its layer's computation (``replay_tolerance``);
+    without it, 1e-5."""
     hidden = manifest["model"]["hidden_size"]
     max_tokens = manifest["max_tokens"]
     trtexec, polygraphy = [], []
@@ -195,9 +209,11 @@ def rebuild_commands(manifest: dict) -> dict[str, list[str]]:
             f"trtexec --onnx={art['path']} --minShapes={shapes[0]} --optShapes={shapes[1]} --maxShapes={shapes[2]} "
             f"--saveEngine={engine} --timingCacheFile=engines/timing.cache"
         )
+        atol = (f"{replay_tolerance(surrogate, art['layer'], manifest['dtype'], min(512, max_tokens)):.2g} --rtol 0"
+                if surrogate is not None else "1e-5 --rtol 1e-5")
         polygraphy.append(
             f"polygraphy run {art['path']} --onnxrt --trt --trt-min-shapes {shapes[0]} --trt-opt-shapes {shapes[1]} "
-            f"--trt-max-shapes {shapes[2]} --input-shapes {shapes[1]} --atol 1e-5 --rtol 1e-5 --check-error-stat max"
+            f"--trt-max-shapes {shapes[2]} --input-shapes {shapes[1]} --atol {atol} --check-error-stat max"
         )
     notes = [
         "TensorRT 11 networks are always strongly typed (precision comes from the ONNX types); on TensorRT 10 add --stronglyTyped to trtexec.",
@@ -243,7 +259,7 @@ def run_pipeline(options: ExportOptions, progress: Progress | None = None) -> di
             manifest["artifacts"] += export_compaction_artifacts(
                 writer.tmp, preset.num_kv_heads, preset.head_dim, resolved.dtype, resolved.opset, resolved.sink
             )
-            manifest["rebuild"] = rebuild_commands(manifest)
+            manifest["rebuild"] = rebuild_commands(manifest, surrogate)
             _write_rebuild_script(writer.path("rebuild.sh"), manifest["rebuild"])
             manifest = _build_stage(writer, manifest, options, progress)
             if options.check:

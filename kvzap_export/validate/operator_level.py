@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,38 @@ from kvzap_export.validate.checks import Check
 from kvzap_export.validate.compaction_checks import check_compaction_artifacts
 from kvzap_export.validate.compare import compare_outputs, simple
 from kvzap_export.validate.device import Device
+from kvzap_export.validate.error_bounds import Bounded, reference_and_bound, within
 from kvzap_export.validate.hidden import HiddenStates
 
 TOKEN_COUNTS = (1, 7, 40)  # the export sample has 3 tokens
-# |backend - torch| <= atol + rtol*|torch| per output, by graph dtype.
-FLOAT_TOLERANCE = {"float32": (1e-5, 1e-5), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
+
+
+@contextlib.contextmanager
+def _exact_float32_matmul():
+    """The reference's float32 products in float32 (not TF32) on a GPU, whatever the process set: the bound models
+    float32 arithmetic. Restored afterwards."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_tf32 = False
+    matmul.allow_fp16_reduced_precision_reduction = False  # split-K partial sums kept in float32
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = saved
+
+
+def _judge(backend: str, got: np.ndarray, bounded: Bounded, used: dict, worst: dict, failed: list) -> None:
+    """One computation's scores against the exact ones and their bound; records the share of the bound used."""
+    result = within(got, bounded)
+    used[backend] = max(used.get(backend, 0.0), result["bound_used"])
+    worst["mismatches"] += max(result["mismatches"], 0)
+    if not result["passed"]:
+        failed.append(f"{backend}:scores {result['mismatches']} scores outside the bound (max abs error "
+                      f"{result['max_abs_error']:.3g}, {result['bound_used']:.3g}x the bound)"
+                      + (f" {result['detail']}" if result.get("detail") else ""))
 
 
 def exported_runners(bundle: Path, manifest: dict, artifact: dict, backends, device: Device,
@@ -67,40 +95,51 @@ def _hidden_feeds(hidden: HiddenStates | None, layer: int, dim: int, dtype: str,
 def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends, hidden: HiddenStates | None,
                     plugin_libraries: tuple[str, ...] = (), on_step: Callable[[], None] | None = None,
                     device: Device | None = None) -> tuple[list[Check], dict]:
-    """Every artifact vs the reference; returns checks and the samples used for plots / Polygraphy."""
+    """Every artifact vs the reference; returns checks and the samples used for plots / Polygraphy.
+
+    A surrogate graph's check: the exact scores (float64, from the bundle's kvpress-format copy of the surrogate) and
+    a bound per score derived from the computation in the bundle's dtype (``error_bounds``); the PyTorch reference on
+    ``device`` and every backend must each stay within it. Two correct computations summing in different orders
+    (a GPU and a CPU) both do; an edited weight or a swapped layer does not. The report also gives each backend's
+    difference from the PyTorch reference."""
     device = device or Device("cpu")
+    cpu_surrogate = surrogate
     surrogate = surrogate.to(device.torch_device)
     dtype = manifest["dtype"]
-    atol, rtol = FLOAT_TOLERANCE[dtype]
     checks, samples = [], {}
     for artifact in manifest["artifacts"]:
         if artifact["kind"] != "surrogate_layer":
             continue
+        layer = artifact["layer"]
         runners = _surrogate_runners(bundle, manifest, artifact, surrogate, backends, plugin_libraries, device)
-        feeds = _hidden_feeds(hidden, artifact["layer"], surrogate.config.input_dim, dtype, seed=0)
+        feeds = _hidden_feeds(hidden, layer, surrogate.config.input_dim, dtype, seed=0)
         reference, others = runners[0], runners[1:]
+        exact = [reference_and_bound(cpu_surrogate.layers[layer], f["hidden_states"], dtype) for f in feeds]
         worst: dict[str, Any] = {"max_abs_error": 0.0, "max_rel_error": 0.0, "mismatches": 0}
+        used: dict[str, float] = {}
         failed_outputs, ran, exported, providers = [], [], [], {}
-        with reference:
+        with _exact_float32_matmul(), reference:
             ref_outputs = [reference.infer(f) for f in feeds]
+        for ref, bounded in zip(ref_outputs, exact):
+            _judge(reference.backend, ref["scores"], bounded, used, worst, failed_outputs)
         for runner in others:
             with runner:
                 ran.append(runner.backend)
                 if getattr(runner, "providers_used", None):
                     providers[runner.backend] = list(runner.providers_used)  # read from the session: what ran
-                for feed, ref in zip(feeds, ref_outputs):
+                for feed, ref, bounded in zip(feeds, ref_outputs, exact):
                     got = runner.infer(feed)
                     if len(ran) == 1:
                         exported.append(got)
-                    for result in compare_outputs(ref, got, simple(atol, rtol)):
+                    _judge(runner.backend, got["scores"], bounded, used, worst, failed_outputs)
+                    for result in compare_outputs(ref, got, simple(np.inf, np.inf)):  # the difference, reported
                         worst["max_abs_error"] = max(worst["max_abs_error"], result.max_abs_error)
                         worst["max_rel_error"] = max(worst["max_rel_error"], result.max_rel_error)
-                        worst["mismatches"] += max(result.mismatches, 0)
-                        if not result.passed:
-                            failed_outputs.append(f"{runner.backend}:{result.output}{' ' + result.detail if result.detail else ''}")
-        samples[artifact["layer"]] = (feeds, ref_outputs, exported)
+        bound = max(exact, key=lambda b: float(b.bound.max(initial=0.0))).describe()
+        samples[layer] = (feeds, ref_outputs, exported, bound["bound_max"])
         status = "skipped" if not others else ("failed" if failed_outputs else "passed")
-        detail = {"artifact": artifact["path"], "backends": ran, "atol": atol, "rtol": rtol, **worst,
+        detail = {"artifact": artifact["path"], "backends": ran, "bound": bound,
+                  "bound_used": {k: round(v, 4) for k, v in used.items()}, **worst,
                   "token_counts": [len(f["hidden_states"]) for f in feeds], "reference_device": device.torch_device,
                   "hidden_states": hidden.source if hidden is not None and len(feeds) > len(TOKEN_COUNTS) else "random only"}
         if providers:
@@ -109,7 +148,7 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
             detail["reason"] = "no backend requested besides the reference"
         if failed_outputs:
             detail["failed"] = sorted(set(failed_outputs))
-        checks.append(Check(f"operator:surrogate_layer_{artifact['layer']:03d}", "operator", status, detail))
+        checks.append(Check(f"operator:surrogate_layer_{layer:03d}", "operator", status, detail))
         if on_step:
             on_step()
     checks += check_compaction_artifacts(bundle, manifest, backends, plugin_libraries, device)
