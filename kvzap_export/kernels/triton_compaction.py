@@ -64,7 +64,7 @@ def require_triton():
 if triton is not None:
 
     @triton.jit
-    def _tau_in_dtype(tau, DTYPE: tl.constexpr):
+    def tau_in_dtype(tau, DTYPE: tl.constexpr):
         """τ (float32) rounded to the scores' dtype, returned as float32 (exact)."""
         if DTYPE == tl.bfloat16:
             # Round to nearest even on the bits, as torch's float -> bfloat16; Triton's CPU interpreter
@@ -77,7 +77,7 @@ if triton is not None:
         return tau
 
     @triton.jit
-    def _widen(x, DTYPE: tl.constexpr):
+    def widen_scores(x, DTYPE: tl.constexpr):
         """Scores as float32, exactly: bfloat16 widened on the bits (the CPU interpreter's bfloat16 -> float32
         conversion flushes subnormals; on a GPU this shift is what the conversion instruction does)."""
         if DTYPE == tl.bfloat16:
@@ -89,7 +89,7 @@ if triton is not None:
         """The decision rule for one block: valid and (protected or not score < τ); NaN is kept."""
         valid = pos < length
         protected = (pos >= window_start) | (pos < SINK)
-        below = _widen(score, DTYPE) < tau  # False for NaN
+        below = widen_scores(score, DTYPE) < tau  # False for NaN
         return valid & (protected | (below == 0))
 
     @triton.jit
@@ -102,7 +102,7 @@ if triton is not None:
         chunk = pid % chunks
         length = tl.load(length_ptr_row + row // heads).to(tl.int32)
         base = row.to(tl.int64) * seq
-        tau = _tau_in_dtype(tl.cast(tau, tl.float32), DTYPE)
+        tau = tau_in_dtype(tl.cast(tau, tl.float32), DTYPE)
         window_start = length - window  # window <= 2^24 and 0 <= length <= seq: no int32 overflow
         offs = tl.arange(0, BLOCK)
         chunk_start = chunk * CHUNK

@@ -1,0 +1,79 @@
+"""The decode step's decision (``kernels.decode_decision``): the Triton kernel (interpreted on the CPU here) equals
+the torch formula, and the formula is what the ragged store decides at a decode step."""
+
+import pytest
+import torch
+
+from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.kernels.decode_decision import decide_leaving, launch_decide_leaving
+
+WINDOW = 128
+
+
+def _case(dtype, seed, rows=13, width=300, entries=5000):
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(entries, generator=g) * 2 - 4).to(dtype)
+    scores[::37] = float("nan")  # NaN is kept (strict <)
+    ids = torch.randint(0, entries, (rows, width), generator=g, dtype=torch.int32)
+    lengths = torch.randint(0, width + 1, (rows,), generator=g, dtype=torch.int32)
+    lengths[:4] = torch.tensor([WINDOW, WINDOW + 1, width, 0], dtype=torch.int32)  # too short, just long enough, full, empty
+    leaving = torch.randint(0, 2, (rows,), generator=g, dtype=torch.int32)
+    leaving[1:3] = 1
+    return scores, ids, lengths, leaving
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_equals_the_formula(dtype, seed):
+    scores, ids, lengths, leaving = _case(dtype, seed)
+    a_ids, a_len, b_ids, b_len = ids.clone(), lengths.clone(), ids.clone(), lengths.clone()
+    want = decide_leaving(scores, a_ids, a_len, leaving, -4.0, WINDOW)
+    got = launch_decide_leaving(scores, b_ids, b_len, leaving, -4.0, WINDOW)
+    assert torch.equal(got, want) and torch.equal(b_ids, a_ids) and torch.equal(b_len, a_len)
+
+
+def test_the_kernel_works_in_place_on_strided_rows_and_a_given_buffer():
+    """Rows that are not adjacent in memory (head 0 of layer 1 of each slot of a [slots, layers, heads, width]
+    table): the kernel writes the table itself."""
+    scores, ids, lengths, leaving = _case(torch.float32, 7, rows=5)
+    table = torch.zeros(5, 2, 4, ids.shape[1], dtype=torch.int32)
+    table[:, 1, 0] = ids
+    rows = table[:, 1, 0]  # [5, width], row stride 2 * 4 * width: a view, not a copy
+    assert rows.stride(0) == 8 * ids.shape[1] and rows.data_ptr() == table[0, 1, 0].data_ptr()
+    freed = torch.full((5,), 99, dtype=torch.int32)
+    want_ids, want_len = ids.clone(), lengths.clone()
+    want = decide_leaving(scores, want_ids, want_len, leaving, -4.0, WINDOW)
+    got_len = lengths.clone()
+    got = launch_decide_leaving(scores, rows, got_len, leaving, -4.0, WINDOW, freed=freed)
+    assert got.data_ptr() == freed.data_ptr() and torch.equal(got, want) and torch.equal(got_len, want_len)
+    assert torch.equal(table[:, 1, 0], want_ids) and not table[:, 0].any() and not table[:, 1, 1:].any()
+
+
+def test_the_formula_is_the_ragged_stores_decode_decision():
+    """The store decides at a decode step for every (request, layer, head): the same rows through
+    ``decide_leaving`` give the same rows, lengths and freed entries."""
+    g = torch.Generator().manual_seed(3)
+    store = RaggedStore(4000, num_layers=2, num_kv_heads=3, head_dim=4)
+    store.append([0, 1], [200, 150])
+    store.scores.copy_(torch.randn(4000, generator=g) * 2 - 4)
+    store.decide_prefill([0, 1], -4.0, WINDOW)
+    store.append([0, 1], [1, 1])  # one decode token each: one position leaves each row's window
+    slots = store.slots([0, 1])
+    width = int(store.lengths_host[store.slots_host([0, 1])].max())
+    ids = store.ids[slots, :, :, :width].reshape(-1, width).clone()
+    lengths = store.lengths[slots].reshape(-1).clone()
+    held_before = store.held
+    freed_by_store = store.decide_decode([0, 1], -4.0, WINDOW)
+    freed = decide_leaving(store.scores, ids, lengths, torch.ones_like(lengths), -4.0, WINDOW)
+    assert int((freed >= 0).sum()) == freed_by_store == held_before - store.held
+    assert torch.equal(lengths, store.lengths[slots].reshape(-1))
+    after = store.ids[slots, :, :, :width].reshape(-1, width)
+    for r in range(ids.shape[0]):
+        n = int(lengths[r])
+        assert torch.equal(ids[r, :n], after[r, :n])
+
+
+def test_shapes_are_checked():
+    scores, ids, lengths, leaving = _case(torch.float32, 0)
+    with pytest.raises(Exception, match="rows"):
+        decide_leaving(scores, ids, lengths[:3], leaving, -4.0, WINDOW)
