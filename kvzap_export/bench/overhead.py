@@ -1,7 +1,21 @@
-"""Overhead of KVzap (scoring + compaction) relative to one decoder layer's attention block.
+"""Overhead of KVzap next to one decoder layer's attention block: what an engine runs, timed as it runs it.
 
-Llama-3.1-8B shapes: hidden 4096, 32 query heads, 8 KV heads, head dim 128, FFN 14336.
-FLOPs are exact counts (2 x multiply-adds); times are measured with torch on the chosen device.
+Llama-3.1-8B shapes: hidden 4096, 32 query heads, 8 KV heads, head dim 128, FFN 14336; batch 1. At the model's
+dtype on a GPU (bfloat16: SDPA takes its flash path; float32 would fall to the math path and, at 32k prefill, ask
+for 128 GiB) and float32 on a CPU.
+
+- prefill (T tokens): the attention block over the prompt vs scoring the T tokens + the fused compaction of the
+  prompt's decisions (on a GPU the Triton launcher and the CUDA library's, no validation and no host sync, as an
+  engine calls them; on a CPU the reference op the engines' CPU path calls);
+- decode (one token over a T-token cache written in place): the attention block vs scoring the token + the
+  per-step decision (``kernels.decode_decision``: the token that left the window tested against τ and taken out
+  of its row, for each KV head) — not a whole compaction: one token leaves the window per step. On a GPU both
+  sides are also timed inside CUDA graphs (what a serving engine replays at decode; eager, one token's scoring is
+  launch-bound) and the overhead is given both ways.
+
+Times: on a GPU, CUDA events around 20 back-to-back calls (the steady state of a serving loop), median of 15; on a
+CPU, wall clock, median. FLOPs are exact counts (2 x multiply-adds). Rows a machine cannot run (no GPU, no nvcc) are kept with ``skipped``
+and the reason.
 """
 
 from __future__ import annotations
@@ -9,9 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvzap_export.bench.timing import measure
+from kvzap_export.bench.timing import measure, measure_cuda
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, MLP_HIDDEN = 4096, 32, 8, 128, 14336, 512
+THRESHOLD, WINDOW = -4.0, 128
 
 
 def attention_flops(q_len: int, kv_len: int, causal: bool) -> int:
@@ -38,51 +53,156 @@ class AttentionBlock(torch.nn.Module):
         self.qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False)
         self.o = torch.nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
 
-    def forward(self, x, k_cache=None, v_cache=None):
+    def _project(self, x):
         t = x.shape[0]
         q, k, v = self.qkv(x).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        q = q.view(t, HEADS, HEAD_DIM).transpose(0, 1)[None]
-        k = k.view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)[None]
-        v = v.view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)[None]
-        if k_cache is not None:
-            k, v = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=k_cache is None, enable_gqa=True)
-        return self.o(out[0].transpose(0, 1).reshape(t, HEADS * HEAD_DIM))
+        return (q.view(t, HEADS, HEAD_DIM).transpose(0, 1)[None], k.view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)[None],
+                v.view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)[None])
+
+    def forward(self, x):
+        """Prefill: x [T, hidden], causal attention over its own K/V."""
+        q, k, v = self._project(x)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out[0].transpose(0, 1).reshape(x.shape[0], HEADS * HEAD_DIM))
+
+    def decode(self, x, k_cache, v_cache):
+        """Decode: x [1, hidden]; its K/V written in place at the cache's last position, attention over the cache
+        (k_cache, v_cache [1, kv_heads, T, head_dim]), as an engine's preallocated cache does."""
+        q, k, v = self._project(x)
+        k_cache[:, :, -1:].copy_(k)
+        v_cache[:, :, -1:].copy_(v)
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True)
+        return self.o(out[0].transpose(0, 1).reshape(1, HEADS * HEAD_DIM))
 
 
-def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 32768, dtype=torch.float32) -> list[dict]:
-    from kvzap_export.ops import threshold_compaction
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def _prefill_compactions(device: str, seq: int) -> dict:
+    """Name -> a callable of the prompt's fused compaction (or the reason it cannot run here)."""
+    scores = torch.randn(1, KV_HEADS, seq, device=device) * 2 - 4
+    lengths = torch.tensor([seq], dtype=torch.int32, device=device)
+    if device != "cuda":
+        from kvzap_export.kernels.torch_ops import threshold_compaction
+
+        return {"torch reference (engines' CPU path)": lambda: threshold_compaction(scores, lengths, THRESHOLD, WINDOW,
+                                                                                     check_lengths=False),
+                "Triton fused launcher": "needs a CUDA GPU", "CUDA library fused launcher": "needs a CUDA GPU"}
+    from kvzap_export.kernels.triton_compaction import launch_threshold_compaction
+
+    out = {"Triton fused launcher": lambda: launch_threshold_compaction(scores, lengths, THRESHOLD, WINDOW)}
+    from kvzap_export.validate.device import cuda_kernels
+
+    lib = cuda_kernels("cuda")
+    if isinstance(lib, str):
+        out["CUDA library fused launcher"] = lib
+    else:
+        tau = torch.tensor(THRESHOLD, dtype=torch.float32, device=device)
+        win = torch.tensor(WINDOW, dtype=torch.int32, device=device)
+        out["CUDA library fused launcher"] = lambda: lib.launch_threshold_compaction(scores, lengths, tau, win)
+    return out
+
+
+def _decision(device: str, dtype, cache: int):
+    """The per-step decision over one layer's rows (batch 1 x 8 KV heads), in place, as the engine runs it."""
+    from kvzap_export.kernels import decode_decision
+
+    gen = torch.Generator().manual_seed(1)
+    entries = KV_HEADS * cache
+    scores = (torch.randn(entries, generator=gen) * 2 - 4).to(device, dtype)
+    ids = torch.randperm(entries, generator=gen).to(torch.int32).view(KV_HEADS, cache).to(device)
+    lengths = torch.full((KV_HEADS,), cache, dtype=torch.int32, device=device)
+    leaving = torch.ones(KV_HEADS, dtype=torch.int32, device=device)
+    freed = torch.empty(KV_HEADS, dtype=torch.int32, device=device)
+    if device == "cuda":
+        return "Triton kernel", lambda: decode_decision.launch_decide_leaving(scores, ids, lengths, leaving, THRESHOLD,
+                                                                               WINDOW, freed)
+    return "torch formula (engines' CPU path)", lambda: decode_decision.decide_leaving(scores, ids, lengths, leaving,
+                                                                                       THRESHOLD, WINDOW)
+
+
+def _timer(cuda: bool):
+    """CUDA events over back-to-back calls on a GPU (``measure_cuda``), wall clock with a median on a CPU."""
+    return (lambda fn, **_: measure_cuda(fn)) if cuda else measure
+
+
+def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 32768, dtype=None) -> list[dict]:
+    from kvzap_export.integrations.scoring import BundleScorer
     from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
 
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     torch.manual_seed(0)
-    sync = torch.cuda.synchronize if device == "cuda" else None
+    cuda = device == "cuda"
+    sync = None
+    measure = _timer(cuda)
     block = AttentionBlock().to(device, dtype).eval()
-    scorers = {v: Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, 1, MLP_HIDDEN if v == "mlp" else None)).layers[0].to(device, dtype).eval()
-               for v in ("linear", "mlp")}
+    scorers = {v: BundleScorer(Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, 1, MLP_HIDDEN if v == "mlp" else None)))
+               for v in ("linear", "mlp")}  # the engines' scoring path (functional eager calls)
+    common = {"benchmark": "overhead", "dtype": str(dtype).removeprefix("torch."), "batch": 1}
     rows = []
     with torch.no_grad():
-        cases = [("prefill", t, t) for t in prefill] + [("decode", 1, decode_cache)]
-        for phase, q_len, kv_len in cases:
-            x = torch.randn(q_len, HIDDEN, device=device, dtype=dtype)
-            if phase == "decode":
-                kc = torch.randn(1, KV_HEADS, kv_len - 1, HEAD_DIM, device=device, dtype=dtype)
-                vc = torch.randn_like(kc)
-                attn = measure(lambda: block(x, kc, vc), sync=sync)
-            else:  # seconds per call on a CPU: one timed run after the warm-up is enough
-                attn = measure(lambda: block(x), sync=sync, min_repeats=1, min_seconds=0.0)
-            # Compaction: over the prompt at prefill; at decode one token leaves the window per step.
-            comp_len = kv_len if phase == "prefill" else 1
-            scores = torch.randn(1, KV_HEADS, comp_len, device=device)
-            lengths = torch.tensor([comp_len], dtype=torch.int32, device=device)
-            comp = measure(lambda: threshold_compaction(scores, lengths, 0.0, 0 if phase == "decode" else 128), sync=sync)
+        for seq in prefill:
+            x = torch.randn(seq, HIDDEN, device=device, dtype=dtype)
+            # seconds per call on a CPU: one timed run after the warm-up is enough
+            attn = measure(lambda: block(x), sync=sync, min_repeats=1, min_seconds=0.0)
+            compactions = _prefill_compactions(device, seq)
             for variant, scorer in scorers.items():
-                score = measure(lambda: scorer(x), sync=sync)
-                total = score["median_s"] + comp["median_s"]
-                rows.append({
-                    "benchmark": "overhead", "phase": phase, "q_len": q_len, "kv_len": kv_len, "variant": variant,
-                    "attention_s": attn["median_s"], "scoring_s": score["median_s"], "compaction_s": comp["median_s"],
-                    "overhead_time_pct": 100 * total / attn["median_s"],
-                    "scoring_flops_pct_of_attention": 100 * scoring_flops(q_len, variant) / attention_flops(q_len, kv_len, phase == "prefill"),
-                    "scoring_flops_pct_of_layer_linear": 100 * scoring_flops(q_len, variant) / layer_linear_flops(q_len),
-                })
+                score = measure(lambda: scorer.score(0, x), sync=sync)
+                for name, run in compactions.items():
+                    row = {**common, "phase": "prefill", "q_len": seq, "kv_len": seq, "variant": variant,
+                           "compaction": name, "attention_s": attn["median_s"], "scoring_s": score["median_s"],
+                           "scoring_flops_pct_of_attention": 100 * scoring_flops(seq, variant) / attention_flops(seq, seq, True),
+                           "scoring_flops_pct_of_layer_linear": 100 * scoring_flops(seq, variant) / layer_linear_flops(seq)}
+                    if isinstance(run, str):
+                        rows.append({**row, "skipped": run})
+                        continue
+                    comp = measure(run, sync=sync)
+                    rows.append({**row, "compaction_s": comp["median_s"],
+                                 "overhead_time_pct": 100 * (score["median_s"] + comp["median_s"]) / attn["median_s"]})
+        rows += _decode_rows(block, scorers, device, dtype, decode_cache, common, sync)
+    return rows
+
+
+def _decode_rows(block, scorers, device, dtype, cache, common, sync) -> list[dict]:
+    cuda = device == "cuda"
+    measure = _timer(cuda)
+    x = torch.randn(1, HIDDEN, device=device, dtype=dtype)
+    k_cache = torch.randn(1, KV_HEADS, cache, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    step = lambda: block.decode(x, k_cache, v_cache)  # noqa: E731
+    attn = measure(step, sync=sync)
+    decision_kind, decide = _decision(device, dtype, cache)
+    decision = measure(decide, sync=sync)
+    attn_graph = measure(graphed(step), sync=sync) if cuda else None
+    decision_graph = measure(graphed(decide), sync=sync) if cuda else None
+    rows = []
+    for variant, scorer in scorers.items():
+        score_fn = lambda: scorer.score(0, x)  # noqa: E731
+        score = measure(score_fn, sync=sync)
+        row = {**common, "phase": "decode", "q_len": 1, "kv_len": cache, "variant": variant, "decision": decision_kind,
+               "attention_s": attn["median_s"], "scoring_s": score["median_s"], "decision_s": decision["median_s"],
+               "overhead_time_pct": 100 * (score["median_s"] + decision["median_s"]) / attn["median_s"],
+               "scoring_flops_pct_of_attention": 100 * scoring_flops(1, variant) / attention_flops(1, cache, False),
+               "scoring_flops_pct_of_layer_linear": 100 * scoring_flops(1, variant) / layer_linear_flops(1)}
+        if cuda:
+            score_graph = measure(graphed(score_fn), sync=sync)
+            row.update({"attention_graphed_s": attn_graph["median_s"], "scoring_graphed_s": score_graph["median_s"],
+                        "decision_graphed_s": decision_graph["median_s"],
+                        "overhead_graphed_time_pct": 100 * (score_graph["median_s"] + decision_graph["median_s"])
+                        / attn_graph["median_s"]})
+        else:
+            row["graphed"] = "skipped: CUDA graphs need a CUDA GPU"
+        rows.append(row)
     return rows

@@ -9,7 +9,7 @@ from collections.abc import Callable
 SCHEMA = "kvzap-export-bench/1"
 
 
-def _suites(device: str) -> dict[str, Callable[[], list[dict]]]:
+def _suites(device: str, compile_scoring: bool = False) -> dict[str, Callable[[], list[dict]]]:
     from kvzap_export.bench.compaction import bench_compaction
     from kvzap_export.bench.e2e import bench_e2e
     from kvzap_export.bench.overhead import bench_overhead
@@ -17,25 +17,34 @@ def _suites(device: str) -> dict[str, Callable[[], list[dict]]]:
 
     prefill = (4096, 32768) if device == "cuda" else (4096,)
     return {
-        "scoring": lambda: bench_scoring(device),
+        "scoring": lambda: bench_scoring(device, compile_torch=compile_scoring),
         "compaction": lambda: bench_compaction(device),
         "overhead": lambda: bench_overhead(device, prefill=prefill),
         "e2e": lambda: bench_e2e(),
     }
 
 
-def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress=None) -> dict:
+def _skipped_suite(name: str, exc: Exception) -> list[dict]:
+    """A suite whose optional part is missing here (the model, kvpress, ...): one row saying what and how to get it."""
+    return [{"benchmark": name, "skipped": str(exc).splitlines()[0]}]
+
+
+def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress=None, compile_scoring: bool = False) -> dict:
     import torch
 
     from kvzap_export.bench.timing import machine
+    from kvzap_export.errors import MissingDependencyError
 
     torch.manual_seed(0)
-    suites = _suites(device)
+    suites = _suites(device, compile_scoring)
     chosen = [name for name in suites if only is None or name in only]
     advance = progress("benchmarks", len(chosen)) if progress else None
     results = {}
     for name in chosen:
-        results[name] = suites[name]()
+        try:
+            results[name] = suites[name]()
+        except (MissingDependencyError, ModuleNotFoundError) as exc:
+            results[name] = _skipped_suite(name, exc)
         if advance:
             advance()
     return {

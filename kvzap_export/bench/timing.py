@@ -25,6 +25,30 @@ def measure(fn: Callable[[], object], min_seconds: float = 0.3, min_repeats: int
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": len(times)}
 
 
+def measure_cuda(fn: Callable[[], object], repeats: int = 15, target_s: float = 2e-3, max_inner: int = 50) -> dict[str, float]:
+    """Median seconds per call of ``fn`` on the current CUDA stream, by CUDA events around ``inner`` back-to-back calls
+    (the steady state a serving loop reaches: a host sync per call would add its own ~10 us to a graph replay of a few
+    microseconds), ``repeats`` times after a warm-up; ``inner`` is chosen so that one timed run lasts about
+    ``target_s`` (1 to ``max_inner`` calls)."""
+    import torch
+
+    def run(count: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / count
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    inner = int(min(max_inner, max(1, target_s / max(run(1), 1e-7))))
+    times = [run(inner) for _ in range(repeats)]
+    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats, "inner": inner}
+
+
 def measure_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, min_seconds: float = 0.3,
                         sync: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Times several implementations of the same work in alternating rounds, so that a load spike on a shared

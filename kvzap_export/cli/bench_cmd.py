@@ -53,12 +53,18 @@ def _table(title: str, rows: list[dict]):
 @click.option("--dense-backend", default="auto", show_default=True,
               help="With --engine: SGLang's attention backend for the dense baseline; 'auto' probes torch_native and "
                    "flex_attention on a short stream and keeps the faster.")
+@click.option("--with-compile", is_flag=True,
+              help="Also time torch.compile'd scoring (minutes of compilation; the engines do not use it: it measured "
+                   "slower than eager on an H100).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
-          rounds, threshold, dense_backend, as_json: bool) -> None:
-    """Benchmark KVzap: surrogate scoring (ORT vs torch eager vs torch.compile), threshold compaction at
-    4k/32k/128k tokens, overhead vs one attention block (Llama-3.1-8B shapes), and end to end on the
-    embedded model (kvpress masking vs our physically compacted cache). Ratios come from one run.
+          rounds, threshold, dense_backend, with_compile: bool, as_json: bool) -> None:
+    """Benchmark KVzap: surrogate scoring (the engines' eager path, on a GPU also inside a CUDA graph; ONNX
+    Runtime on a CPU), threshold compaction at 4k/32k/128k tokens (on a GPU the fused Triton and CUDA kernels as
+    engines launch them), overhead vs one attention block at the model's dtype (Llama-3.1-8B shapes; at decode
+    the per-step decision, eager and graphed), and end to end on the embedded model (kvpress masking vs our
+    physically compacted cache). Ratios come from one run. Parts this machine lacks (a GPU, nvcc,
+    onnxruntime-extensions, kvpress, the model) skip their rows with the reason.
 
     \b
     --engine sglang: SGLang at one KV budget, dense (its fastest attention backend here) vs evict vs ragged,
@@ -86,7 +92,7 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     with progress_bars(enabled=not as_json) as progress:
-        report = run_bench(device, chosen, progress=progress)
+        report = run_bench(device, chosen, progress=progress, compile_scoring=with_compile)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

@@ -12,6 +12,7 @@ A :class:`Device` is plain data, so tests build one that runs this path on the C
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import tempfile
@@ -85,7 +86,9 @@ def _built_cuda_library() -> str:
 
 
 def cuda_kernels(torch_device: str, library: str | None = None) -> Any:
-    """The CUDA library's kernels (``library``, else built with nvcc from a source checkout), or why not."""
+    """The CUDA library's kernels (``library``, else ``$KVZAP_CUDA_LIB``, else built with nvcc from a source
+    checkout), or why not."""
+    library = library or os.environ.get("KVZAP_CUDA_LIB") or None
     if torch.device(torch_device).type != "cuda":
         return "the CUDA library runs on a CUDA GPU only (validate --device cuda)"
     from kvzap_export.errors import KvzapError

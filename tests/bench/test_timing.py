@@ -34,7 +34,7 @@ def test_measure_without_warmup_counts_every_call():
 def test_scoring_rows_carry_in_run_ratios():
     from kvzap_export.bench.scoring import bench_scoring
 
-    rows = bench_scoring(tokens=(1,), compile_torch=False)
+    rows = [r for r in bench_scoring(tokens=(1,), compile_torch=False) if "skipped" not in r]
     assert {(r["variant"], r["backend"]) for r in rows} == {(v, b) for v in ("linear", "mlp") for b in ("torch_eager", "onnxruntime")}
     for row in rows:
         assert row["median_s"] > 0 and row["tokens_per_s"] == pytest.approx(1 / row["median_s"])
