@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One command that checks a GPU machine: correctness of every GPU path and the GPU figures, in about 6 minutes.
+#
+#   bash scripts/gpu_check.sh OUTDIR [BUNDLE ...]
+#
+# Runs from a plain checkout (PYTHONPATH=. is enough: nothing is installed) on a machine with an NVIDIA GPU, torch,
+# Triton, nvcc and compute-sanitizer; no network, TensorRT, onnxruntime-gpu or SGLang needed. Steps, each with its
+# own time limit inside an overall budget ($GPU_CHECK_BUDGET seconds, default 360):
+#   1. nvcc builds the CUDA library of plugins/ once (sm_90 and sm_80, PTX);
+#   2. `validate --device cuda` on each BUNDLE (build them on a CPU machine beforehand, e.g. a float32 and a
+#      bfloat16 bundle of the embedded model: `kvzap-export --model smollm2-135m --out B --no-validate [--dtype
+#      bfloat16]`; the model's wheel is too large to travel, so the model level does not run there) - in the
+#      background, on the CPU side, while 3-4 run;
+#   3. the GPU-marked tests (pytest -m gpu);
+#   4. compute-sanitizer memcheck over the compaction kernels' exactness check (Triton and CUDA);
+#   5. scripts/bench_kernels.py (fused compaction and K/V move vs the torch reference);
+#   6. kvzap-export bench --device cuda (scoring, compaction, overhead vs an attention block);
+#   7. scripts/bench_ragged_decode.py (ragged decode attention: ours vs SDPA over every and over the kept entries,
+#      Llama-3.1-8B decode shapes; one decoder layer's decode step in CUDA graphs, dense vs ragged).
+# Then scripts/gpu_check_summary.py writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.md (every figure with the
+# device name) and sets the exit status: 0 when every check passed, 1 when one failed, 3 when nothing failed but a
+# step did not run (its time ran out, a tool is missing), 2 for usage or no GPU. Performance targets are reported
+# as met / missed beside the checks; they do not set the exit status.
+#
+# Optional, by environment:
+#   KVZAP_WHEELS=DIR            wheels installed (pip --no-index --no-deps --target) before anything runs, e.g.
+#                               onnxruntime-extensions for the plugin-node check;
+#   KVZAP_SGLANG_KERNELS=PATH   SGLang 0.5.23's wheel, or a zip/folder holding its
+#                               sglang/kernels/ops/attention/{decode_attention,score_mod}.py (step 7's kernel);
+#   PYTHON                      the interpreter (default python3).
+set -uo pipefail
+
+if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  [ $# -lt 1 ] && exit 2 || exit 0
+fi
+OUT="$1"; shift
+BUNDLES=("$@")
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_BUDGET:-360}"
+START=$(date +%s)
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU is visible to torch on this machine ($PY); run it on a GPU machine" >&2
+  exit 2
+fi
+for b in "${BUNDLES[@]}"; do
+  if [ ! -f "$b/manifest.json" ]; then
+    echo "gpu_check: $b is not a bundle (no manifest.json); pass bundles written by kvzap-export --out" >&2
+    exit 2
+  fi
+done
+mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT" >&2; exit 2; }
+OUT="$(cd "$OUT" && pwd)"
+: > "$OUT/steps.tsv"
+cd "$REPO" || exit 2
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ -n "${KVZAP_WHEELS:-}" ]; then
+  SITE="$OUT/site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KVZAP_WHEELS"/*.whl \
+    > "$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:$SITE" || echo "gpu_check: wheels not installed (see wheels.log)" >&2
+fi
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+# step NAME LIMIT COMMAND...: runs COMMAND with the smaller of LIMIT and the budget left, logs to OUT/NAME.log and
+# records "NAME rc seconds" (rc 124: time limit; "skipped" when no budget is left).
+step() {
+  local name="$1" limit="$2"; shift 2
+  local budget; budget=$(left)
+  if [ "$budget" -le 5 ]; then
+    printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+    echo "[gpu_check] $name: skipped (budget of ${BUDGET}s spent)" >&2
+    return 0
+  fi
+  [ "$limit" -gt "$budget" ] && limit="$budget"
+  echo "[gpu_check] $name (limit ${limit}s) ..." >&2
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
+  echo "[gpu_check] $name: rc $rc in $(( $(date +%s) - t0 ))s" >&2
+}
+
+# 1. the CUDA library, once for every step
+LIB="$OUT/libkvzap_kernels.so"
+step build_cuda_library 120 "$PY" -c "import sys; from kvzap_export.kernels.cuda_lib import build_kernel_library as b; b(sys.argv[1])" "$LIB"
+[ -f "$LIB" ] && export KVZAP_CUDA_LIB="$LIB"
+
+# 2. validate --device cuda on each bundle, in the background (CPU work mostly)
+VALIDATE_PIDS=()
+i=0
+for b in "${BUNDLES[@]}"; do
+  i=$((i + 1))
+  ( step "validate_$i" 200 bash -c "'$PY' -m kvzap_export.cli.main validate '$b' --device cuda --json \
+      \${KVZAP_CUDA_LIB:+--cuda-lib \"\$KVZAP_CUDA_LIB\"} > '$OUT/validate_$i.json'" ) &
+  VALIDATE_PIDS+=($!)
+  printf '%s\t%s\n' "validate_$i" "$b" >> "$OUT/bundles.tsv"
+done
+
+# 3. the GPU-marked tests
+mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
+step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml" "${GPU_TESTS[@]}"
+
+# 4. compute-sanitizer over the compaction kernels' exactness check
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  step sanitizer_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 86 \
+    "$PY" scripts/bench_kernels.py --check --seq 4096 131072 ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
+else
+  printf '%s\tmissing\t0\n' sanitizer_memcheck >> "$OUT/steps.tsv"
+fi
+
+for pid in "${VALIDATE_PIDS[@]}"; do wait "$pid"; done  # timings below run on a quiet machine
+
+# 5-7. timings
+step bench_kernels 90 "$PY" scripts/bench_kernels.py --reps 30 --json "$OUT/bench-kernels.json" \
+  ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
+step bench_cuda 150 bash -c "'$PY' -m kvzap_export.cli.main bench --device cuda --only scoring,compaction,overhead,e2e --json > '$OUT/bench-cuda.json'"
+step bench_ragged_decode 150 "$PY" scripts/bench_ragged_decode.py --json "$OUT/ragged-decode.json" \
+  ${KVZAP_SGLANG_KERNELS:+--sglang-kernels "$KVZAP_SGLANG_KERNELS"}
+
+"$PY" scripts/gpu_check_summary.py "$OUT"

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Summary of a ``scripts/gpu_check.sh`` run: reads what its steps left in OUTDIR, writes ``gpu-check.json`` and
+``gpu-check.md`` there (every figure with the device name), prints the markdown, and exits 0 when every check that
+ran passed, 1 when one failed, 3 when nothing failed but a step did not run.
+
+    python scripts/gpu_check_summary.py OUTDIR
+
+Checks (correctness): each step's exit status (validate: 0 or 3, "incomplete", is a pass of what ran), the GPU tests
+(JUnit XML), compute-sanitizer's error summary, every validate report's verdict, the ragged benchmark's exactness
+checks. Targets (performance, reported met / missed, they do not set the exit status): the CUDA and Triton fused
+compaction >= 5x the torch reference at 128k tokens; scoring + per-step decision <= 5% of one attention block at
+decode (32k cache, CUDA graphs) and scoring + compaction <= 2% at 32k prefill (MLP surrogate); the ragged
+benchmark's own targets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ACCEPTED_RC = {"validate": {0, 3}}  # validate: 3 = incomplete (nothing failed, e.g. no model on this machine)
+PREFILL_LIMIT_PCT, DECODE_LIMIT_PCT, COMPACTION_SPEEDUP = 2.0, 5.0, 5.0
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _steps(out: Path) -> list[dict]:
+    steps = []
+    for line in (out / "steps.tsv").read_text().splitlines() if (out / "steps.tsv").is_file() else []:
+        name, rc, seconds = line.split("\t")
+        steps.append({"step": name, "rc": rc, "seconds": int(seconds)})
+    return steps
+
+
+def _step_check(step: dict) -> dict:
+    accepted = ACCEPTED_RC.get(step["step"].split("_")[0], {0})
+    if step["rc"] in ("skipped", "missing"):
+        why = "the time budget was spent" if step["rc"] == "skipped" else "the tool is not on this machine"
+        return {"check": f"step:{step['step']}", "status": "not run", "detail": why}
+    rc = int(step["rc"])
+    detail = f"exit {rc} in {step['seconds']} s" + (" (time limit)" if rc in (124, 137) else "")
+    return {"check": f"step:{step['step']}", "status": "passed" if rc in accepted else "failed", "detail": detail}
+
+
+def _pytest(out: Path) -> list[dict]:
+    path = out / "pytest-gpu.xml"
+    if not path.is_file():
+        return []
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    skipped = sorted({(c.find("skipped").get("message") or "")[:120] for c in suite.iter("testcase") if c.find("skipped") is not None})
+    failed = [f"{c.get('classname')}.{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return [{"check": "pytest -m gpu", "status": "failed" if failed or passed == 0 else "passed",
+             "detail": f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped",
+             "failed": failed, "skip_reasons": skipped}]
+
+
+def _sanitizer(out: Path) -> list[dict]:
+    log = out / "sanitizer_memcheck.log"
+    if not log.is_file():
+        return []
+    text = log.read_text(errors="replace")
+    found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    exact = "exactly equal the reference" in text
+    ok = bool(found) and all(n == "0" for n in found) and exact
+    return [{"check": "compute-sanitizer memcheck (bench_kernels --check)", "status": "passed" if ok else "failed",
+             "detail": f"error summaries {found or 'absent'}; kernels {'exact' if exact else 'NOT shown exact'}"}]
+
+
+def _validates(out: Path) -> list[dict]:
+    bundles = dict(line.split("\t") for line in (out / "bundles.tsv").read_text().splitlines()) \
+        if (out / "bundles.tsv").is_file() else {}
+    checks = []
+    for name, bundle in bundles.items():
+        report = _json(out / f"{name}.json")
+        if report is None:
+            checks.append({"check": f"validate --device cuda {bundle}", "status": "failed", "detail": "no report"})
+            continue
+        layers = [c for c in report["checks"] if c["name"].startswith("operator:surrogate_layer_") and c["status"] != "skipped"]
+        used = max((v for c in layers for v in c["detail"].get("bound_used", {}).values()), default=None)
+        checks.append({"check": f"validate --device cuda {bundle}", "status": "failed" if report["verdict"] == "failed" else "passed",
+                       "detail": f"verdict {report['verdict']}; {sum(c['status'] == 'passed' for c in report['checks'])} "
+                                 f"checks passed, failed {report['failed']}, did not run "
+                                 f"{[n['check'] for n in report.get('not_run', [])]}",
+                       "dtype": (_json(Path(bundle) / "manifest.json") or {}).get("dtype"),
+                       "surrogate_bound_used_max": used, "device": report.get("device")})
+    return checks
+
+
+def _kernel_figures(data: dict | None, device: str) -> tuple[list[dict], list[dict]]:
+    if not data:
+        return [], []
+    figures = [{"device": device, "source": "bench_kernels.py", **row} for row in data["rows"]]
+    targets = []
+    longest = max((r["seq"] for r in data["rows"]), default=0)
+    for impl in sorted({r["impl"] for r in data["rows"]}):
+        best = max((r["speedup"] for r in data["rows"] if r["impl"] == impl and r["benchmark"] == "compaction"
+                    and r["seq"] == longest), default=None)
+        if best is not None:
+            targets.append({"target": f"{impl} fused compaction vs torch reference at {longest} tokens", "value": best,
+                            "limit": f">= {COMPACTION_SPEEDUP}x", "met": best >= COMPACTION_SPEEDUP, "device": device})
+    return figures, targets
+
+
+def _bench_figures(data: dict | None, device: str) -> tuple[list[dict], list[dict]]:
+    if not data:
+        return [], []
+    figures = [{"device": device, "source": f"bench {suite}", **row} for suite, rows in data["results"].items() for row in rows]
+    targets = []
+    for row in data["results"].get("overhead", []):
+        if row.get("variant") != "mlp" or "skipped" in row:
+            continue
+        if row["phase"] == "decode" and "overhead_graphed_time_pct" in row:
+            value = row["overhead_graphed_time_pct"]
+            targets.append({"target": f"decode at {row['kv_len']}: MLP scoring + decision / attention block (CUDA graphs)",
+                            "value": value, "limit": f"<= {DECODE_LIMIT_PCT}%", "met": value <= DECODE_LIMIT_PCT, "device": device})
+        if row["phase"] == "prefill" and row["q_len"] >= 32768 and "overhead_time_pct" in row:
+            value = row["overhead_time_pct"]
+            targets.append({"target": f"prefill {row['q_len']}: MLP scoring + {row['compaction']} / attention block",
+                            "value": value, "limit": f"<= {PREFILL_LIMIT_PCT}%", "met": value <= PREFILL_LIMIT_PCT, "device": device})
+    return figures, targets
+
+
+def _ragged(data: dict | None, device: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """The ragged benchmark's rows, exactness checks and targets, in the shape its script writes them."""
+    if not data:
+        return [], [], []
+    figures = [{"device": device, "source": "bench_ragged_decode.py", **row} for row in data.get("rows", [])]
+    checks = [{"check": f"ragged: {c.get('name', c.get('check'))}", "status": "passed" if c.get("passed") else "failed",
+               "detail": {k: v for k, v in c.items() if k not in ("name", "check", "passed")}} for c in data.get("checks", [])]
+    checks += [{"check": f"ragged: section {e.get('section')}", "status": "failed", "detail": e.get("error")}
+               for e in data.get("errors", [])]
+    targets = [{"device": device, **t} for t in data.get("targets", [])]
+    return figures, checks, targets
+
+
+def summarize(out: Path) -> tuple[dict, int]:
+    kernels, bench, ragged = _json(out / "bench-kernels.json"), _json(out / "bench-cuda.json"), _json(out / "ragged-decode.json")
+    device = next((d for d in ((kernels or {}).get("meta", {}).get("device"), (bench or {}).get("machine"),
+                               (ragged or {}).get("device")) if d), _gpu_name())
+    checks = [_step_check(s) for s in _steps(out)] + _pytest(out) + _sanitizer(out) + _validates(out)
+    figures, targets = _kernel_figures(kernels, device)
+    more_figures, more_targets = _bench_figures(bench, device)
+    ragged_figures, ragged_checks, ragged_targets = _ragged(ragged, device)
+    checks += ragged_checks
+    figures += more_figures + ragged_figures
+    targets += more_targets + ragged_targets
+    failed = [c["check"] for c in checks if c["status"] == "failed"]
+    not_run = [c["check"] for c in checks if c["status"] == "not run"]
+    verdict = "failed" if failed else "incomplete" if not_run else "passed"
+    summary = {"schema": "kvzap-export-gpu-check/1", "device": device, "date": datetime.date.today().isoformat(),
+               "commit": _commit(), "verdict": verdict, "failed": failed, "not_run": not_run, "checks": checks,
+               "targets": targets, "figures": figures}
+    return summary, {"passed": 0, "failed": 1, "incomplete": 3}[verdict]
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    except ModuleNotFoundError:
+        return "unknown"
+
+
+def _commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parents[1])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    return done.stdout.strip() + ("+uncommitted changes" if dirty else "")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"# GPU check: {summary['verdict'].upper()}", "",
+             f"{summary['device']} · {summary['date']} · commit {summary['commit']}", "", "## Checks", ""]
+    mark = {"passed": "✓", "failed": "✗", "not run": "–"}
+    lines += [f"- {mark[c['status']]} {c['check']}: {c['detail']}" for c in summary["checks"]]
+    lines += ["", "## Targets (performance; reported, not gating)", ""]
+    lines += [f"- {'met' if t['met'] else 'MISSED'}: {t['target']}: {_fmt(t['value'])} (limit {t['limit']}; {t['device']})"
+              for t in summary["targets"]]
+    lines += ["", "## Figures", "", f"Every figure below was measured on {summary['device']}; the JSON holds them all "
+              "with the device name on each row.", ""]
+    by_source: dict[str, list[dict]] = {}
+    for row in summary["figures"]:
+        by_source.setdefault(row["source"], []).append(row)
+    for source, rows in by_source.items():
+        keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("source", "device", "benchmark")]
+        lines += [f"### {source}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python scripts/gpu_check_summary.py OUTDIR   (the folder scripts/gpu_check.sh wrote)", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    summary, code = summarize(out)
+    (out / "gpu-check.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    text = markdown(summary)
+    (out / "gpu-check.md").write_text(text)
+    print(text)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
