@@ -104,7 +104,8 @@ def bench(args, cuda=None) -> list[dict]:
             win_t = torch.tensor(window, dtype=torch.int32, device=DEVICE)
             kernel_s = measure(lambda: cuda.launch_threshold_compaction(scores, lengths, tau_t, win_t))
             validated_s = measure(lambda: cuda.threshold_compaction(scores, lengths, tau, window))
-            rows.append(compaction_row("cuda", "one block per (sequence, head)", kernel_s, validated_s))
+            blocks, span = cuda.threshold_compaction_grid(args.batch, args.heads, seq)
+            rows.append(compaction_row("cuda", f"{blocks} blocks of {span} positions", kernel_s, validated_s))
 
         result = tk.launch_threshold_compaction(scores, lengths, tau, window)
         kept = int(result.counts.sum())

@@ -9,6 +9,8 @@ called from Python on torch CUDA tensors.
 - ``CudaKernels(path)`` loads a built library with ctypes. ``threshold_compaction`` / ``kv_compaction`` have
   the contract, errors and outputs of ``kvzap_export.ops`` (validated inputs); ``launch_*`` skip the
   validation and never synchronize with the host (benchmarks, engines that validated already).
+  ``threshold_compaction_grid`` says how the decision launch splits rows into tiles (host arithmetic: the library
+  loads and answers without a GPU, since nvcc links the CUDA runtime statically).
 
 Used by tests/plugins/test_cuda_build.py (exactness on a GPU) and scripts/bench_kernels.py (timings).
 """
@@ -28,7 +30,7 @@ from kvzap_export.ops.compaction import Compaction, check_inputs, check_kv_input
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 SOURCE = PLUGINS / "src" / "compaction.cu"
 ARCHITECTURES = ("80", "90")
-ABI = ("kvzap_threshold_compaction", "kvzap_kv_compaction")
+ABI = ("kvzap_threshold_compaction", "kvzap_threshold_compaction_grid", "kvzap_kv_compaction")
 # enum KvzapDtype of compaction.h
 SCORE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KEEP_DTYPES = {torch.bool: 3, torch.int32: 4}
@@ -81,6 +83,9 @@ class CudaKernels:
         decide = self.lib.kvzap_threshold_compaction
         decide.argtypes = [p, i, p, p, p, i, i, i, i, p, i, p, p, p]
         decide.restype = i
+        grid = self.lib.kvzap_threshold_compaction_grid
+        grid.argtypes = [i, i, i, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+        grid.restype = i
         move = self.lib.kvzap_kv_compaction
         move.argtypes = [p, p, p, i, i, i, i, i, p, p, p]
         move.restype = i
@@ -92,6 +97,15 @@ class CudaKernels:
             raise RuntimeError(f"{name} returned {status}")
 
     # ---- threshold compaction ------------------------------------------------------------------
+    def threshold_compaction_grid(self, batch: int, heads: int, seq: int) -> tuple[int, int]:
+        """(CUDA blocks of the decision launch, positions of a row per block) for these sizes; no GPU needed.
+        Raises ``InputError`` for sizes the launch refuses."""
+        blocks, span = ctypes.c_int64(), ctypes.c_int64()
+        status = self.lib.kvzap_threshold_compaction_grid(batch, heads, seq, ctypes.byref(blocks), ctypes.byref(span))
+        if status != 0:
+            raise InputError(f"the CUDA decision kernel cannot launch batch={batch}, heads={heads}, seq={seq}")
+        return blocks.value, span.value
+
     def launch_threshold_compaction(self, scores: torch.Tensor, lengths: torch.Tensor, threshold: torch.Tensor,
                                     window: torch.Tensor, sink: int = 0, keep_dtype: torch.dtype = torch.bool,
                                     out: Compaction | None = None) -> Compaction:

@@ -71,6 +71,9 @@ class ReferenceStandIn:
     def threshold_compaction(self, scores, lengths, threshold, window, sink=0, keep_dtype=torch.bool):
         return self.launch_threshold_compaction(scores, lengths, threshold, window, sink, keep_dtype)
 
+    def threshold_compaction_grid(self, batch, heads, seq):
+        return batch * heads, seq
+
     def launch_kv_compaction(self, keys, values, indices, out=None):
         return kv_compaction(keys, values, indices)
 
@@ -93,7 +96,7 @@ def test_bench_rows_table_and_targets_cover_both_kernel_slots(script):
         if r["benchmark"] == "kv_move":
             assert 0.3 < r["kept_fraction"] < 0.8 and r["pct_of_copy_bandwidth"] > 0
     table = script._table(rows)
-    assert "| 300 | cuda | one block per (sequence, head) |" in table and "| 150 | triton | 4 rows/program |" in table
+    assert "| 300 | cuda | 2 blocks of 300 positions |" in table and "| 150 | triton | 4 rows/program |" in table
     targets = script._targets(rows)
     assert len(targets) == 4 and all("T=300" in line for line in targets)
     assert [line.split()[1] for line in targets] == ["triton", "triton", "cuda", "cuda"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvzap_export.errors import InputError
 from kvzap_export.kernels.cuda_lib import ABI, PLUGINS, CudaKernels, build_kernel_library
 from kvzap_export.ops import Compaction, kv_compaction, threshold_compaction
 
@@ -118,7 +119,7 @@ def test_nvcc_builds_sm80_and_sm90_and_ptx_with_the_c_abi(nvcc_library):
 @needs_nvcc
 def test_the_binding_loads_the_library_and_validates_like_the_reference(nvcc_library, tmp_path):
     """No GPU needed: the library loads (CUDA runtime linked statically) and bad inputs fail before any launch."""
-    from kvzap_export.errors import ConfigError, InputError
+    from kvzap_export.errors import ConfigError
 
     kernels = CudaKernels(nvcc_library)
     assert kernels.lib.kvzap_threshold_compaction.restype is not None
@@ -273,3 +274,158 @@ def test_cuda_kernels_cover_long_sequences_and_odd_rows(nvcc_library):
     k_out, v_out = _move(lib, keys, values, indices)
     ref_k, ref_v = kv_compaction(keys, values, indices)
     assert torch.equal(k_out, ref_k) and torch.equal(v_out, ref_v)
+
+
+# ---- the decision kernel's tiling (plugins/src/compaction.cu) -------------------------------------------------
+THREADS, ITEMS, WARPS, TARGET_BLOCKS, FILL_TILES = 256, 16, 8, 384, 8  # compaction.cu's kThreads, kItems, ...
+STEP = THREADS * ITEMS
+
+
+def _tiling(rows: int, seq: int) -> tuple[int, int]:
+    """compaction.cu's tiling(): (tiles per row, positions per tile), in Python."""
+    steps = max(-(-seq // STEP), 1)
+    want = 1 if rows >= TARGET_BLOCKS else -(-TARGET_BLOCKS // rows)
+    per_tile = -(-steps // min(want, steps))
+    return -(-steps // per_tile), per_tile * STEP
+
+
+@needs_nvcc
+def test_the_decision_launch_splits_long_rows_over_enough_blocks_to_fill_an_h100(nvcc_library):
+    """Host arithmetic of the library, no GPU: batch 1 x 8 KV heads x 128k once ran on 8 blocks (132 SMs)."""
+    kernels = CudaKernels(nvcc_library)
+    blocks, span = kernels.threshold_compaction_grid(1, 8, 131072)
+    assert blocks >= 132 and blocks % 8 == 0 and (blocks // 8) * span >= 131072 > (blocks // 8 - 1) * span
+    assert kernels.threshold_compaction_grid(1, 1, 1) == (1, STEP)  # small rows: one block each
+    assert kernels.threshold_compaction_grid(2, 3, 0) == (6, STEP)  # empty rows still write their counts
+    assert kernels.threshold_compaction_grid(64, 8, 131072) == (512, 131072)  # many rows: one tile each
+    shapes = [(1, 8, 4096), (1, 8, 32768), (3, 5, 70001), (4, 8, 131072), (1, 1, 600_000), (25, 8, 9000), (7, 3, 4097)]
+    for batch, heads, seq in shapes:
+        tiles, span = _tiling(batch * heads, seq)
+        assert kernels.threshold_compaction_grid(batch, heads, seq) == (batch * heads * tiles, span)
+    for bad in ((0, 8, 10), (1, 0, 10), (1, 8, -1), (1, 8, 2**31 - 1)):
+        with pytest.raises(InputError, match="cannot launch"):
+            kernels.threshold_compaction_grid(*bad)
+
+
+def _emulate_decisions(scores, lengths, tau, window, sink) -> Compaction:
+    """compaction.cu's decision kernel block by block in torch: each tile recounts the rows' kept positions before
+    it, walks its steps in the striped layout (position = step + item * 256 + warp * 32 + lane), scans the 128
+    (item, warp) group counts in position order and places each kept position at count + group prefix + kept lanes
+    below it; the last FILL_TILES tiles count the rest of the row too and split the -1 tail. Asserts every keep
+    entry and index slot is written once (no two blocks write one address). A model of the kernel's arithmetic,
+    not the CUDA code itself."""
+    batch, heads, seq = scores.shape
+    rows = batch * heads
+    tiles, span = _tiling(rows, seq)
+    tau = float(torch.tensor(tau, dtype=torch.float32).to(scores.dtype))
+    flat, length, pos = scores.reshape(rows, seq).float(), lengths.repeat_interleave(heads)[:, None], torch.arange(seq)
+    rule = (pos < length) & ((pos >= length - window) | (pos < sink) | ~(flat < tau))
+    keep, counts = torch.zeros(rows, seq, dtype=torch.bool), torch.full((rows,), -7, dtype=torch.int32)
+    indices = torch.full((rows, seq), -7, dtype=torch.int32)
+    keep_writes, slot_writes = torch.zeros(rows, seq, dtype=torch.int32), torch.zeros(rows, seq, dtype=torch.int32)
+    layout = (torch.arange(ITEMS)[:, None, None] * THREADS + torch.arange(WARPS)[None, :, None] * 32
+              + torch.arange(32)[None, None, :])  # [item, warp, lane]
+    fill_tiles = min(tiles, FILL_TILES)
+    for tile in range(tiles):
+        begin, end = min(tile * span, seq), min(tile * span + span, seq)
+        after = rule[:, end:].sum(1)  # what a fill tile counts after itself
+        # Kept before the tile, as the kernel counts [0, end = min(begin, length)): positions below lo = min(sink,
+        # end) and from hi = window start clamped to [lo, end] by arithmetic, the scores of [lo, hi) not below tau.
+        end_ = length[:, 0].clamp(max=begin)
+        lo = end_.clamp(max=sink)
+        hi = torch.minimum(torch.maximum(length[:, 0] - window, lo), end_)
+        count = lo + (end_ - hi) + ((pos >= lo[:, None]) & (pos < hi[:, None]) & ~(flat < tau)).sum(1)
+        assert torch.equal(count, rule[:, :begin].sum(1))
+        for step in range(begin, end, STEP):
+            p = step + layout
+            valid = p < end
+            kept = rule[:, p.clamp(max=seq - 1)] & valid
+            keep[:, p[valid]] = kept[:, valid]
+            keep_writes[:, p[valid]] += 1
+            group = kept.sum(-1).reshape(rows, ITEMS * WARPS)
+            prefix = (group.cumsum(1) - group).reshape(rows, ITEMS, WARPS, 1)
+            slot = count[:, None, None, None] + prefix + kept.cumsum(-1) - kept.int()
+            r, i, w, lane = kept.nonzero(as_tuple=True)
+            indices[r, slot[r, i, w, lane]] = p[i, w, lane].int()
+            slot_writes.index_put_((r, slot[r, i, w, lane]), torch.ones_like(r, dtype=torch.int32), accumulate=True)
+            count = count + group.sum(1)
+        part = tile - (tiles - fill_tiles)
+        if part >= 0:  # a fill tile: its share of the slots [total, seq)
+            total = count + after
+            share = (seq - total + fill_tiles - 1) // fill_tiles
+            start = (total + part * share).clamp(max=seq)
+            mine = (pos >= start[:, None]) & (pos < (start + share)[:, None])
+            indices[mine] = -1
+            slot_writes += mine.int()
+            counts = total.int()
+    assert bool((keep_writes == 1).all()) and bool((slot_writes == 1).all())
+    return Compaction(keep.view(batch, heads, seq), counts.view(batch, heads), indices.view(batch, heads, seq))
+
+
+@pytest.mark.parametrize("shape, lengths", [((3, 5, 9000), [9000, 4096, 0]), ((40, 8, 9000), None),
+                                            ((1, 2, 40000), [37000]), ((2, 1, 1), [1, 0]), ((1, 2, 0), [0])])
+def test_the_tiling_arithmetic_equals_the_reference_on_the_cpu(shape, lengths):
+    """Tiles: 40 x 8 rows two of two steps, 3 x 5 three of one step, 1 x 2 x 40000 ten (eight of them fill tiles);
+    lengths cross tile bounds."""
+    gen = torch.Generator().manual_seed(4)
+    for dtype, tau, window, sink in ((torch.bfloat16, -0.3, 128, 4), (torch.float32, 0.5, 5000, 0),
+                                     (torch.float16, -1e30, 0, 0), (torch.bfloat16, 1e30, 7, 3)):
+        scores = (torch.randn(*shape, generator=gen) - 0.3).to(dtype)
+        scores[..., ::97] = float("nan")
+        lens = torch.tensor(lengths) if lengths else torch.randint(0, shape[2] + 1, (shape[0],), generator=gen)
+        ref = threshold_compaction(scores, lens, tau, window, sink)
+        assert all(torch.equal(g, r) for g, r in zip(_emulate_decisions(scores, lens, tau, window, sink), ref))
+
+
+def test_the_recount_split_reads_each_position_once_with_aligned_vectors():
+    """countNotBelow() and fillNone(): a scalar head up to the first 16-byte boundary, whole vectors, a scalar tail."""
+    for elem in (2, 4):
+        vec = 16 // elem
+        for misaligned in range(vec):  # the row's first element's offset from a 16-byte boundary, in elements
+            for end in (0, 1, vec - 1, vec, vec + 1, 4096, 4099, 70001):
+                head = min((vec - misaligned) % vec, end)
+                vectors = (end - head) // vec
+                assert vectors == 0 or (misaligned + head) % vec == 0
+                read = [*range(head), *(head + v * vec + e for v in range(vectors) for e in range(vec)),
+                        *range(head + vectors * vec, end)]
+                assert read == list(range(end))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_decisions_over_many_blocks_equal_the_reference_at_128k_and_odd_rows(nvcc_library, dtype):
+    """Batch 1 x 8 heads x 131072 (the benchmark shape, 256 blocks) and 3 x 5 x 70001 (tiles end mid-row, rows
+    start off 16-byte boundaries); lengths on and off tile bounds, NaN, subnormal and -0.0 scores, all or nothing
+    kept; then a CUDA graph of the launcher replayed with another threshold (read on the device at replay)."""
+    lib = CudaKernels(nvcc_library)
+    assert lib.threshold_compaction_grid(1, 8, 131072)[0] >= 132
+    gen = torch.Generator().manual_seed(5)
+    cases = [((1, 8, 131072), [131072], 0.0, 128, 0), ((1, 8, 131072), [100003], -0.5, 1000, 4),
+             ((3, 5, 70001), [70001, 8192, 4097], 0.3, 7, 3), ((3, 5, 70001), [4095, 0, 69999], -1e30, 0, 0),
+             ((3, 5, 70001), [70001, 12289, 1], 1e30, 5, 2)]
+    for shape, lengths, tau, window, sink in cases:
+        scores = torch.randn(*shape, generator=gen).to(dtype)
+        scores[..., 3::101] = float("nan")
+        scores[..., 7::211], scores[..., 11::223] = -1e-40, -0.0  # subnormal: below tau = 0; -0.0: not below
+        lengths = torch.tensor(lengths)
+        ref = threshold_compaction(scores, lengths, tau, window, sink)
+        for keep_dtype in (torch.bool, torch.int32):
+            got = _compaction(lib, scores.cuda(), lengths, tau, window, sink, keep_dtype)
+            assert all(torch.equal(g, r) for g, r in zip(got, ref)), (shape, lengths.tolist(), tau, keep_dtype)
+    scores = torch.randn(1, 8, 131072, generator=gen).to(dtype)
+    gpu, lengths = scores.cuda(), torch.tensor([131000], dtype=torch.int32, device="cuda")
+    tau_t, win_t = torch.tensor(0.0, device="cuda"), torch.tensor(64, dtype=torch.int32, device="cuda")
+    out = Compaction(torch.empty(1, 8, 131072, dtype=torch.bool, device="cuda"),
+                     torch.empty(1, 8, dtype=torch.int32, device="cuda"),
+                     torch.empty(1, 8, 131072, dtype=torch.int32, device="cuda"))
+    lib.launch_threshold_compaction(gpu, lengths, tau_t, win_t, 0, torch.bool, out=out)  # loads the kernel first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lib.launch_threshold_compaction(gpu, lengths, tau_t, win_t, 0, torch.bool, out=out)
+    tau_t.fill_(0.7)
+    out.indices.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = threshold_compaction(scores, lengths.cpu(), 0.7, 64)
+    assert all(torch.equal(g.cpu(), r) for g, r in zip(out, ref))

@@ -26,10 +26,18 @@ enum KvzapDtype { KVZAP_FLOAT32 = 0, KVZAP_FLOAT16 = 1, KVZAP_BFLOAT16 = 2, KVZA
 
 // scores [batch, heads, seq] of scores_dtype (KVZAP_FLOAT32/FLOAT16/BFLOAT16); lengths [batch] int32 in [0, seq].
 // Outputs: keep [batch, heads, seq] of keep_dtype (KVZAP_BOOL or KVZAP_INT32), counts [batch, heads] int32,
-// indices [batch, heads, seq] int32. One CUDA block per (sequence, head).
+// indices [batch, heads, seq] int32. Each (sequence, head) row is split into tiles (see
+// kvzap_threshold_compaction_grid), one CUDA block each, in one launch; no workspace, no host synchronization.
 int kvzap_threshold_compaction(const void* scores, int scores_dtype, const int32_t* lengths, const float* threshold,
                                const int32_t* window, int batch, int heads, int seq, int sink, void* keep,
                                int keep_dtype, int32_t* counts, int32_t* indices, cudaStream_t stream);
+
+// The launch geometry kvzap_threshold_compaction uses for these sizes, computed on the host (no GPU, no CUDA call):
+// *blocks = CUDA blocks of the launch (batch * heads * tiles per row), *positions_per_block = positions of a row
+// per tile (a multiple of 4096; a row's last tile may be shorter). Either pointer may be NULL. Returns
+// cudaErrorInvalidValue for sizes the launch refuses (batch or heads <= 0, seq < 0 or > 2^31 - 1 - 4096, more
+// than 2^31 - 1 blocks).
+int kvzap_threshold_compaction_grid(int batch, int heads, int seq, int64_t* blocks, int64_t* positions_per_block);
 
 // keys/values [batch, heads, seq, head_dim], elements of elem_size bytes (2: bf16/fp16, 4: fp32); indices as
 // above. Each head's kept rows move to the front in order; the rest of keys_out/values_out is zero. An index
