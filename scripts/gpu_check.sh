@@ -11,7 +11,8 @@
 #      bfloat16 bundle of the embedded model: `kvzap-export --model smollm2-135m --out B --no-validate [--dtype
 #      bfloat16]`; the model's wheel is too large to travel, so the model level does not run there) - in the
 #      background, on the CPU side, while 3-4 run;
-#   3. the GPU-marked tests (pytest -m gpu);
+#   3. the GPU-marked tests (pytest -m gpu), and the kernel tests that run compiled on a GPU (the decode decision,
+#      SGLang's decode kernel over the flattened rows: with $KVZAP_SGLANG_KERNELS);
 #   4. compute-sanitizer memcheck over the compaction kernels' exactness check (Triton and CUDA);
 #   5. scripts/bench_kernels.py (fused compaction and K/V move vs the torch reference);
 #   6. kvzap-export bench --device cuda (scoring, compaction, overhead vs an attention block);
@@ -26,7 +27,7 @@
 #   KVZAP_WHEELS=DIR            wheels installed (pip --no-index --no-deps --target) before anything runs, e.g.
 #                               onnxruntime-extensions for the plugin-node check;
 #   KVZAP_SGLANG_KERNELS=PATH   SGLang 0.5.23's wheel, or a zip/folder holding its
-#                               sglang/kernels/ops/attention/{decode_attention,score_mod}.py (step 7's kernel);
+#                               sglang/kernels/ops/attention/{decode_attention,score_mod}.py (steps 3 and 7);
 #   PYTHON                      the interpreter (default python3).
 set -uo pipefail
 
@@ -104,6 +105,10 @@ done
 mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
 step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$OUT/pytest-gpu.xml" "${GPU_TESTS[@]}"
 
+# 3b. kernel tests that run on the GPU where there is one (not marked gpu: on a CPU they run interpreted)
+step pytest_kernels 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/pytest-kernels.xml" \
+  tests/kernels/test_decode_decision.py tests/kernels/test_flattened_attention.py
+
 # 4. compute-sanitizer over the compaction kernels' exactness check
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step sanitizer_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 86 \
@@ -118,7 +123,7 @@ for pid in "${VALIDATE_PIDS[@]}"; do wait "$pid"; done  # timings below run on a
 step bench_kernels 90 "$PY" scripts/bench_kernels.py --reps 30 --json "$OUT/bench-kernels.json" \
   ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
 step bench_cuda 150 bash -c "'$PY' -m kvzap_export.cli.main bench --device cuda --only scoring,compaction,overhead,e2e --json > '$OUT/bench-cuda.json'"
-step bench_ragged_decode 150 "$PY" scripts/bench_ragged_decode.py --json "$OUT/ragged-decode.json" \
+step bench_ragged_decode 150 "$PY" scripts/bench_ragged_decode.py --json "$OUT/ragged-decode.json" --budget-s 120 \
   ${KVZAP_SGLANG_KERNELS:+--sglang-kernels "$KVZAP_SGLANG_KERNELS"}
 
 "$PY" scripts/gpu_check_summary.py "$OUT"

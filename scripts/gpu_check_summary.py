@@ -53,7 +53,10 @@ def _step_check(step: dict) -> dict:
 
 
 def _pytest(out: Path) -> list[dict]:
-    path = out / "pytest-gpu.xml"
+    return _junit(out / "pytest-gpu.xml", "pytest -m gpu") + _junit(out / "pytest-kernels.xml", "kernel tests on the GPU")
+
+
+def _junit(path: Path, name: str) -> list[dict]:
     if not path.is_file():
         return []
     suite = ET.parse(path).getroot()
@@ -63,7 +66,7 @@ def _pytest(out: Path) -> list[dict]:
     skipped = sorted({(c.find("skipped").get("message") or "")[:120] for c in suite.iter("testcase") if c.find("skipped") is not None})
     failed = [f"{c.get('classname')}.{c.get('name')}" for c in suite.iter("testcase")
               if c.find("failure") is not None or c.find("error") is not None]
-    return [{"check": "pytest -m gpu", "status": "failed" if failed or passed == 0 else "passed",
+    return [{"check": name, "status": "failed" if failed or passed == 0 else "passed",
              "detail": f"{passed} passed, {n['failures'] + n['errors']} failed, {n['skipped']} skipped",
              "failed": failed, "skip_reasons": skipped}]
 
@@ -135,15 +138,24 @@ def _bench_figures(data: dict | None, device: str) -> tuple[list[dict], list[dic
 
 
 def _ragged(data: dict | None, device: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """The ragged benchmark's rows, exactness checks and targets, in the shape its script writes them."""
+    """scripts/bench_ragged_decode.py's report: its rows (exactness, attention, layer step, replay), its exactness
+    and replay checks, its sections that raised (failures), its targets."""
     if not data:
         return [], [], []
-    figures = [{"device": device, "source": "bench_ragged_decode.py", **row} for row in data.get("rows", [])]
-    checks = [{"check": f"ragged: {c.get('name', c.get('check'))}", "status": "passed" if c.get("passed") else "failed",
-               "detail": {k: v for k, v in c.items() if k not in ("name", "check", "passed")}} for c in data.get("checks", [])]
-    checks += [{"check": f"ragged: section {e.get('section')}", "status": "failed", "detail": e.get("error")}
+    replay = [data["replay"]] if data.get("replay") else []
+    figures = [{"source": f"bench_ragged_decode.py {section}", **row, "device": row.get("device", device)}
+               for section in ("exactness", "attention", "layer") for row in data.get(section, [])]
+    figures += [{"source": "bench_ragged_decode.py replay", **row, "device": row.get("device", device)} for row in replay]
+    checks = [{"check": f"ragged exactness: {r.get('kernel')} vs the float32 formula",
+               "status": "passed" if r.get("passed") else "failed",
+               "detail": f"max abs error {r.get('max_abs_err')}"} for r in data.get("exactness", [])]
+    checks += [{"check": "ragged layer step: CUDA graph replay vs eager, 50 steps", "status": "passed" if r.get("passed") else "failed",
+                "detail": {k: r.get(k) for k in ("bookkeeping_equal", "max_abs_diff_attention", "max_abs_diff_layer",
+                                                  "stores_max_abs_diff", "evicted_fraction")}} for r in replay]
+    checks += [{"check": f"ragged section {e.get('section')}", "status": "failed", "detail": e.get("error")}
                for e in data.get("errors", [])]
-    targets = [{"device": device, **t} for t in data.get("targets", [])]
+    targets = [{"target": t.get("name"), "value": t.get("value"), "limit": f"<= {t.get('limit')}",
+                "met": bool(t.get("passed")), "device": t.get("device", device)} for t in data.get("targets", [])]
     return figures, checks, targets
 
 

@@ -61,8 +61,12 @@ def _write_run(out: Path, *, sanitizer_errors=0, validate_verdict="incomplete", 
         {"benchmark": "overhead", "phase": "decode", "variant": "mlp", "kv_len": 32768, "overhead_graphed_time_pct": 7.5},
         {"benchmark": "overhead", "phase": "prefill", "variant": "mlp", "q_len": 32768, "compaction": "Triton fused launcher",
          "overhead_time_pct": 1.6}]}}))
-    (out / "ragged-decode.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": [{"batch": 16}],
-                                                        "checks": [{"name": "flattened exact", "passed": ragged_exact}]}))
+    (out / "ragged-decode.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "errors": [], "replay": None,
+        "exactness": [{"device": "NVIDIA H100 80GB HBM3", "kernel": "sglang-flattened", "max_abs_err": 1e-3, "passed": ragged_exact}],
+        "attention": [{"device": "NVIDIA H100 80GB HBM3", "batch": 16, "seq": 32768, "pruned": 0.7, "ratio": 0.4}],
+        "layer": [], "targets": [{"device": "NVIDIA H100 80GB HBM3", "name": "attention batch 16 T 32768 pruned 0.7: "
+                                  "ragged/dense <= 0.5", "value": 0.4, "limit": 0.5, "passed": True}]}))
 
 
 def test_summary_of_a_run_whose_checks_passed_but_a_step_did_not_run(tmp_path, capsys):
@@ -75,6 +79,7 @@ def test_summary_of_a_run_whose_checks_passed_but_a_step_did_not_run(tmp_path, c
     assert targets["cuda fused compaction vs torch reference at 131072 tokens"] is True
     assert targets["decode at 32768: MLP scoring + decision / attention block (CUDA graphs)"] is False  # 7.5% > 5%
     assert targets["prefill 32768: MLP scoring + Triton fused launcher / attention block"] is True
+    assert targets["attention batch 16 T 32768 pruned 0.7: ragged/dense <= 0.5"] is True
     validate = next(c for c in summary["checks"] if c["check"].startswith("validate"))
     assert validate["status"] == "passed" and validate["surrogate_bound_used_max"] == 0.06
     md = (tmp_path / "out" / "gpu-check.md").read_text()

@@ -9,8 +9,9 @@ device back.
   padded layout [B, H, W] (W: the longest row of this layer): one gather of the keys, one batched matrix product
   for the scores, a softmax masked by each row's length, and one ``embedding_bag`` that sums the value rows
   in place, weighted by the probabilities (values are never copied out of the pool; on this path the pool's
-  memory traffic is what costs). On CUDA tensors the Triton kernel (``triton_ragged_attention``) reads keys and
-  values in place, one launch per layer.
+  memory traffic is what costs). On CUDA tensors SGLang's own Triton decode kernel over the flattened rows
+  (``flattened_attention``) where SGLang's kernel file is found (``sglang_kernels``), else our Triton kernel
+  (``triton_ragged_attention``); both read keys and values in place, one launch per layer.
 - ``causal_extend_attention``: the prompts of an extend batch when nothing is cached before them (a fresh
   prompt is dense: KVzap decides after the prefill forward): causal attention over the new K/V themselves, no
   gather, one call (``is_causal`` when the prompts have one length, else a padding mask).
@@ -46,6 +47,21 @@ def ragged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: tor
     return (weights @ values).reshape(B, Hq, -1).to(q.dtype)
 
 
+def decode_kernel(device_type: str, masked: bool = False) -> str:
+    """Which path ``decode_attention`` takes: ``"sglang-flattened"`` (CUDA, SGLang's decode kernel found: installed
+    or in $KVZAP_SGLANG_KERNELS), ``"triton"`` (CUDA otherwise, where triton imports), ``"torch"`` (any other device,
+    or ``masked``: a ``visible`` mask, which only the torch path takes)."""
+    if device_type != "cuda" or masked:
+        return "torch"
+    from kvzap_export.kernels import sglang_kernels
+
+    if sglang_kernels.available():
+        return "sglang-flattened"
+    from kvzap_export.kernels import triton_ragged_attention  # imports triton: only where it can run
+
+    return "triton" if triton_ragged_attention.triton is not None else "torch"
+
+
 def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
                      lengths: torch.Tensor, scale: float, workspace: torch.Tensor | None = None,
                      visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,11 +71,15 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
     besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only."""
     group = query_group(q, k_store, v_store, ids)
-    if q.is_cuda and visible is None:
-        from kvzap_export.kernels import triton_ragged_attention  # imports triton: only where it can run
+    kernel = decode_kernel(q.device.type, visible is not None)
+    if kernel == "sglang-flattened":
+        from kvzap_export.kernels.flattened_attention import flattened_decode_attention
 
-        if triton_ragged_attention.triton is not None:
-            return triton_ragged_attention.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
+        return flattened_decode_attention(q, k_store, v_store, ids, lengths, scale)
+    if kernel == "triton":
+        from kvzap_export.kernels import triton_ragged_attention
+
+        return triton_ragged_attention.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
     B, Hq, D = q.shape
     H, W = ids.shape[1], ids.shape[2]
     if W == 0:

@@ -1,5 +1,6 @@
-"""The decode step's decision (``kernels.decode_decision``): the Triton kernel (interpreted on the CPU here) equals
-the torch formula, and the formula is what the ragged store decides at a decode step."""
+"""The decode step's decision (``kernels.decode_decision``): the Triton kernel (compiled on a GPU, interpreted on the
+CPU elsewhere: tests/conftest.py) equals the torch formula, and the formula is what the ragged store decides at a
+decode step."""
 
 import pytest
 import torch
@@ -8,6 +9,11 @@ from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.kernels.decode_decision import decide_leaving, launch_decide_leaving
 
 WINDOW = 128
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernel runs (compiled / interpreted)
+
+
+def _on_kernel_device(*tensors):
+    return [t.to(KERNEL_DEVICE) for t in tensors]
 
 
 def _case(dtype, seed, rows=13, width=300, entries=5000):
@@ -28,8 +34,9 @@ def test_kernel_equals_the_formula(dtype, seed):
     scores, ids, lengths, leaving = _case(dtype, seed)
     a_ids, a_len, b_ids, b_len = ids.clone(), lengths.clone(), ids.clone(), lengths.clone()
     want = decide_leaving(scores, a_ids, a_len, leaving, -4.0, WINDOW)
-    got = launch_decide_leaving(scores, b_ids, b_len, leaving, -4.0, WINDOW)
-    assert torch.equal(got, want) and torch.equal(b_ids, a_ids) and torch.equal(b_len, a_len)
+    k_scores, b_ids, b_len, k_leaving = _on_kernel_device(scores, b_ids, b_len, leaving)
+    got = launch_decide_leaving(k_scores, b_ids, b_len, k_leaving, -4.0, WINDOW)
+    assert torch.equal(got.cpu(), want) and torch.equal(b_ids.cpu(), a_ids) and torch.equal(b_len.cpu(), a_len)
 
 
 def test_the_kernel_works_in_place_on_strided_rows_and_a_given_buffer():
@@ -40,13 +47,14 @@ def test_the_kernel_works_in_place_on_strided_rows_and_a_given_buffer():
     table[:, 1, 0] = ids
     rows = table[:, 1, 0]  # [5, width], row stride 2 * 4 * width: a view, not a copy
     assert rows.stride(0) == 8 * ids.shape[1] and rows.data_ptr() == table[0, 1, 0].data_ptr()
-    freed = torch.full((5,), 99, dtype=torch.int32)
     want_ids, want_len = ids.clone(), lengths.clone()
     want = decide_leaving(scores, want_ids, want_len, leaving, -4.0, WINDOW)
-    got_len = lengths.clone()
+    (table,) = _on_kernel_device(table)
+    rows = table[:, 1, 0]
+    freed, got_len, scores, leaving = _on_kernel_device(torch.full((5,), 99, dtype=torch.int32), lengths.clone(), scores, leaving)
     got = launch_decide_leaving(scores, rows, got_len, leaving, -4.0, WINDOW, freed=freed)
-    assert got.data_ptr() == freed.data_ptr() and torch.equal(got, want) and torch.equal(got_len, want_len)
-    assert torch.equal(table[:, 1, 0], want_ids) and not table[:, 0].any() and not table[:, 1, 1:].any()
+    assert got.data_ptr() == freed.data_ptr() and torch.equal(got.cpu(), want) and torch.equal(got_len.cpu(), want_len)
+    assert torch.equal(table[:, 1, 0].cpu(), want_ids) and not table[:, 0].any() and not table[:, 1, 1:].any()
 
 
 def test_the_formula_is_the_ragged_stores_decode_decision():
