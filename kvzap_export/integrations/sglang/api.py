@@ -131,6 +131,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.runtime_context", "get_disagg", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_exec", "function", ()),
     ApiName("sglang.srt.model_executor.cuda_graph_config", "cuda_graph_fully_disabled", "function", ()),
+    ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.init_cuda_graphs", "method",
+            ("self", "capture_decode_cuda_graph")),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.decode_attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.prefill_attention_backend", "field"),

@@ -30,7 +30,7 @@ from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
-from kvzap_export.integrations.sglang.server_setup import ServerSetup
+from kvzap_export.integrations.sglang.server_setup import ServerSetup, graphs_problem
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,16 @@ def _scheduler_built_hook(result, scheduler, *args, **kwargs):
 
 
 @one_line
+def _graphs_hook(model_runner, *args, **kwargs):
+    """Before the model runner captures graphs: KVzap's hooks run in Python, which graph replay skips, so a launch with
+    graphs on stops here in one line (checked again with every other setting once the scheduler exists)."""
+    problem = graphs_problem()
+    if problem is not None:
+        raise ConfigError(f"KVzap ({_CONFIG['mode']} mode) cannot run on this SGLang server: {problem} "
+                          "(stopped before the capture)")
+
+
+@one_line
 def _step_end_hook(scheduler, batch, *args, **kwargs):
     rt = runtime()
     if rt.setup is None:  # a scheduler built before the plugin's hooks were applied
@@ -187,6 +197,7 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     register, kind = hooks.HookRegistry.register, hooks.HookType
     for name in SCORED_ATTENTION:
         register(api(name).target, _score_hook, kind.BEFORE)
+    register(api("ModelRunner.init_cuda_graphs").target, _graphs_hook, kind.BEFORE)
     register(api("Scheduler.__init__").target, _scheduler_built_hook, kind.AFTER)
     register(api("Scheduler.process_batch_result").target, _step_end_hook, kind.BEFORE)
     register(api("Scheduler.on_idle").target, _idle_hook, kind.AFTER)

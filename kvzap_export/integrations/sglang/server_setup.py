@@ -14,6 +14,18 @@ from kvzap_export.integrations.scoring import UNQUANTIZED_DTYPES
 from kvzap_export.integrations.sglang.api import sglang_module
 
 
+GRAPHS_PROBLEM = ("graphs are captured (add --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled: "
+                  "graph replay skips KVzap's Python hooks)")
+
+
+def graphs_problem() -> str | None:
+    """The graph setting's problem, read from SGLang's graph configuration: callable before the model runner captures
+    (``plugin.py`` checks it in a BEFORE hook on ``ModelRunner.init_cuda_graphs``, so a launch with graphs on stops in
+    one line instead of dying inside the capture)."""
+    disabled = sglang_module("sglang.srt.model_executor.cuda_graph_config").cuda_graph_fully_disabled()
+    return None if disabled else GRAPHS_PROBLEM
+
+
 @dataclass(frozen=True)
 class ServerSetup:
     """What ``problems(mode)`` needs to know about one scheduler.
@@ -54,7 +66,7 @@ class ServerSetup:
         allocator = scheduler.token_to_kv_pool_allocator
         kv = allocator.get_kvcache()
         kernel = context.get_exec().kernel
-        graphs = not sglang_module("sglang.srt.model_executor.cuda_graph_config").cuda_graph_fully_disabled()
+        graphs = graphs_problem() is not None
         backend = kernel.attention_backend or ""
         return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
@@ -79,8 +91,7 @@ class ServerSetup:
         if self.overlap:
             out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
         if self.graphs:
-            out.append("graphs are captured (add --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill "
-                       "disabled: graph replay skips KVzap's Python hooks)")
+            out.append(GRAPHS_PROBLEM)
         if self.speculative:
             out.append("speculative decoding is on (drop --speculative-algorithm)")
         if self.unified_memory:

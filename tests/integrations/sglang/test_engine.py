@@ -143,6 +143,8 @@ def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
      ["the radix cache is on (add --disable-radix-cache)", "(drop --enable-mixed-chunk)",
       "the decode attention backend is torch_native (use --attention-backend kvzap_ragged)",
       "the prefill attention backend is torch_native"]),
+    # graphs on: refused by the BEFORE hook on ModelRunner.init_cuda_graphs, before any capture
+    ("ragged", {"cuda_graph_backend_decode": "full"}, ["graphs are captured (add --cuda-graph-backend-decode disabled", "(stopped before the capture)"]),
 ])
 def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, named):
     from kvzap_export.bundle.manifest import read_manifest

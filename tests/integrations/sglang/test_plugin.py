@@ -103,3 +103,26 @@ def test_plugin_without_sglang_stops_with_one_line(clean, monkeypatch, tmp_path)
     message = str(info.value.code)
     assert "\n" not in message and "pip install sglang==0.5.23" in message and "sglang_cpu_env.sh" in message
     assert "sglang" not in sys.modules and plugin._CONFIG is None
+
+
+@pytest.mark.parametrize("disabled", [True, False])
+def test_graphs_on_stop_the_launch_before_the_capture_in_one_line(clean, monkeypatch, disabled):
+    """The check runs in a BEFORE hook on ``ModelRunner.init_cuda_graphs`` (it used to run once the scheduler existed,
+    after the capture, where a GPU launch would die inside the capture with a traceback). SGLang's graph configuration
+    is stood in here; the hook's target is checked against SGLang 0.5.23 in test_api.py."""
+    from types import SimpleNamespace
+
+    from kvzap_export.integrations.sglang import server_setup
+
+    config = SimpleNamespace(cuda_graph_fully_disabled=lambda: disabled)
+    monkeypatch.setattr(server_setup, "sglang_module", lambda name: config)
+    monkeypatch.setattr(plugin, "_CONFIG", {"mode": "ragged"})
+    if disabled:
+        assert plugin._graphs_hook(object(), capture_decode_cuda_graph=True) is None
+        return
+    with pytest.raises(SystemExit) as info:
+        plugin._graphs_hook(object(), capture_decode_cuda_graph=True)
+    message = str(info.value)
+    assert message.startswith("kvzap-export: KVzap (ragged mode) cannot run on this SGLang server: graphs are captured")
+    assert "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled" in message and "\n" not in message
+    assert message.endswith("(stopped before the capture)")
