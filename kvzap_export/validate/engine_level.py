@@ -198,6 +198,7 @@ def run_engine_level(bundle: Path, manifest: dict, engine: str, mode: str, model
     if device == "cuda":
         check_engine_gpu(interpreter)
     spec = {"model": str(Path(model).absolute()), "bundle": str(Path(bundle).absolute()), "mode": mode,
+            "dtype": "float32",  # the kvpress reference's; the driver's own default on a GPU is bfloat16
             "prompts": [{k: v for k, v in p.items() if k != "source"} for p in chosen], "runs": [r for r, _ in RUNS],
             "max_new_tokens": new_tokens, "engine": engine_args or {}}
     with tempfile.TemporaryDirectory(prefix="kvzap-engine-") as tmp:

@@ -41,8 +41,12 @@ GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_r
 
 
 def engine_args(spec: dict) -> dict:
-    args = {"model_path": spec["model"], "dtype": spec.get("dtype", "float32"), **BASE_ENGINE_ARGS}
-    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    """The engine's keyword arguments. The model's dtype: the spec's ``dtype`` when given (``validate`` asks for float32:
+    its kvpress reference is float32); otherwise bfloat16 on a GPU, what a deployment serves, and float32 on the CPU
+    engine (the dtype of every CPU figure and reference of this project)."""
+    cpu = os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+    args = {"model_path": spec["model"], "dtype": spec.get("dtype") or ("float32" if cpu else "bfloat16"), **BASE_ENGINE_ARGS}
+    if cpu:
         # SGLang's default static-memory fraction comes out negative on a CPU with other work on it; the KV
         # pool's size is set by max_total_tokens anyway.
         # (an unknown mode keeps SGLang's CPU backend: the plugin, loaded by the engine, names what is wrong)
