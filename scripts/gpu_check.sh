@@ -42,16 +42,22 @@ PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET:-360}"
 START=$(date +%s)
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-  echo "gpu_check: no NVIDIA GPU is visible to torch on this machine ($PY); run it on a GPU machine" >&2
-  exit 2
-fi
-for b in "${BUNDLES[@]}"; do
+for i in "${!BUNDLES[@]}"; do
+  b="${BUNDLES[$i]}"
   if [ ! -f "$b/manifest.json" ]; then
     echo "gpu_check: $b is not a bundle (no manifest.json); pass bundles written by kvzap-export --out" >&2
     exit 2
   fi
+  BUNDLES[$i]="$(cd "$b" && pwd)"  # the steps run from the repository's root
 done
+if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
+  echo "gpu_check: $OUT is not empty; give a new folder (the summary reads every file a run leaves there)" >&2
+  exit 2
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU is visible to torch on this machine ($PY); run it on a GPU machine" >&2
+  exit 2
+fi
 mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT" >&2; exit 2; }
 OUT="$(cd "$OUT" && pwd)"
 : > "$OUT/steps.tsv"
@@ -67,26 +73,37 @@ fi
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
 # step NAME LIMIT COMMAND...: runs COMMAND with the smaller of LIMIT and the budget left, logs to OUT/NAME.log and
-# records "NAME rc seconds" (rc 124: time limit; "skipped" when no budget is left).
+# records "NAME rc seconds cut" (rc 124: time limit; cut 1 when the budget, not the step's own limit, stopped it:
+# the summary counts that as not run; "skipped" when no budget is left).
 step() {
   local name="$1" limit="$2"; shift 2
   local budget; budget=$(left)
   if [ "$budget" -le 5 ]; then
-    printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+    printf '%s\tskipped\t0\t1\n' "$name" >> "$OUT/steps.tsv"
     echo "[gpu_check] $name: skipped (budget of ${BUDGET}s spent)" >&2
     return 0
   fi
-  [ "$limit" -gt "$budget" ] && limit="$budget"
+  local cut=0
+  if [ "$limit" -gt "$budget" ]; then limit="$budget"; cut=1; fi
   echo "[gpu_check] $name (limit ${limit}s) ..." >&2
   local t0; t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/steps.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$cut" >> "$OUT/steps.tsv"
   echo "[gpu_check] $name: rc $rc in $(( $(date +%s) - t0 ))s" >&2
 }
+missing() {  # missing NAME WHY: a step this machine cannot run (recorded, counted as not run)
+  printf '%s\tmissing\t0\t0\n' "$1" >> "$OUT/steps.tsv"
+  echo "$2" > "$OUT/$1.log"
+  echo "[gpu_check] $1: not run: $2" >&2
+}
+# "${TO_FILE[@]}" FILE COMMAND...: COMMAND's stdout into FILE, as a program `timeout` can run (the paths travel as
+# arguments, not inside a shell string: any path works)
+TO_FILE=(bash -c '"${@:2}" > "$1"' to_file)
 
 # 1. the CUDA library, once for every step
 LIB="$OUT/libkvzap_kernels.so"
+rm -f "$LIB"
 step build_cuda_library 120 "$PY" -c "import sys; from kvzap_export.kernels.cuda_lib import build_kernel_library as b; b(sys.argv[1])" "$LIB"
 [ -f "$LIB" ] && export KVZAP_CUDA_LIB="$LIB"
 
@@ -95,8 +112,8 @@ VALIDATE_PIDS=()
 i=0
 for b in "${BUNDLES[@]}"; do
   i=$((i + 1))
-  ( step "validate_$i" 200 bash -c "'$PY' -m kvzap_export.cli.main validate '$b' --device cuda --json \
-      \${KVZAP_CUDA_LIB:+--cuda-lib \"\$KVZAP_CUDA_LIB\"} > '$OUT/validate_$i.json'" ) &
+  ( step "validate_$i" 200 "${TO_FILE[@]}" "$OUT/validate_$i.json" "$PY" -m kvzap_export.cli.main validate "$b" \
+      --device cuda --json ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"} ) &
   VALIDATE_PIDS+=($!)
   printf '%s\t%s\n' "validate_$i" "$b" >> "$OUT/bundles.tsv"
 done
@@ -114,7 +131,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   step sanitizer_memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 86 \
     "$PY" scripts/bench_kernels.py --check --seq 4096 131072 ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
 else
-  printf '%s\tmissing\t0\n' sanitizer_memcheck >> "$OUT/steps.tsv"
+  missing sanitizer_memcheck "compute-sanitizer is not on PATH"
 fi
 
 for pid in "${VALIDATE_PIDS[@]}"; do wait "$pid"; done  # timings below run on a quiet machine
@@ -122,8 +139,14 @@ for pid in "${VALIDATE_PIDS[@]}"; do wait "$pid"; done  # timings below run on a
 # 5-7. timings
 step bench_kernels 90 "$PY" scripts/bench_kernels.py --reps 30 --json "$OUT/bench-kernels.json" \
   ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
-step bench_cuda 150 bash -c "'$PY' -m kvzap_export.cli.main bench --device cuda --only scoring,compaction,overhead,e2e --json > '$OUT/bench-cuda.json'"
-step bench_ragged_decode 150 "$PY" scripts/bench_ragged_decode.py --json "$OUT/ragged-decode.json" --budget-s 120 \
-  ${KVZAP_SGLANG_KERNELS:+--sglang-kernels "$KVZAP_SGLANG_KERNELS"}
+step bench_cuda 150 "${TO_FILE[@]}" "$OUT/bench-cuda.json" "$PY" -m kvzap_export.cli.main bench --device cuda \
+  --only scoring,compaction,overhead,e2e --json
+if [ -z "${KVZAP_SGLANG_KERNELS:-}" ] && ! "$PY" -c 'import sglang' >/dev/null 2>&1; then
+  missing bench_ragged_decode "SGLang's decode kernel: neither KVZAP_SGLANG_KERNELS nor an installed sglang"
+else
+  RAGGED_BUDGET=$(( $(left) - 30 )); [ "$RAGGED_BUDGET" -gt 120 ] && RAGGED_BUDGET=120
+  step bench_ragged_decode 150 "$PY" scripts/bench_ragged_decode.py --json "$OUT/ragged-decode.json" \
+    --budget-s "$RAGGED_BUDGET" ${KVZAP_SGLANG_KERNELS:+--sglang-kernels "$KVZAP_SGLANG_KERNELS"}
+fi
 
 "$PY" scripts/gpu_check_summary.py "$OUT"

@@ -38,17 +38,20 @@ def test_usage_without_outdir():
 
 
 def _write_run(out: Path, *, sanitizer_errors=0, validate_verdict="incomplete", pytest_failures=0, rc_bench="0",
-               ragged_exact=True) -> None:
+               ragged_exact=True, not_run=(), skip_reason=None, ragged_step="bench_ragged_decode\tskipped\t0\t1") -> None:
+    not_run = list(not_run)
     out.mkdir()
     (out / "steps.tsv").write_text("build_cuda_library\t0\t8\nvalidate_1\t3\t40\npytest_gpu\t0\t60\n"
                                    f"sanitizer_memcheck\t0\t70\nbench_kernels\t0\t30\nbench_cuda\t{rc_bench}\t80\n"
-                                   "bench_ragged_decode\tskipped\t0\n")
+                                   f"{ragged_step}\n")
     (out / "bundles.tsv").write_text("validate_1\t/nowhere/b32\n")
     (out / "validate_1.json").write_text(json.dumps({
         "verdict": validate_verdict, "failed": [] if validate_verdict != "failed" else ["operator:surrogate_layer_002"],
-        "not_run": [{"check": "model:compacted_vs_kvpress"}], "device": {"kind": "cuda"},
+        "not_run": [{"check": "model:compacted_vs_kvpress", "level": "model"}] + not_run, "device": {"kind": "cuda"},
         "checks": [{"name": "operator:surrogate_layer_000", "status": "passed", "detail": {"bound_used": {"torch": 0.05, "onnxrt": 0.06}}}]}))
     cases = "".join(f'<testcase classname="t" name="c{i}"/>' for i in range(3))
+    if skip_reason:
+        cases += f'<testcase classname="t" name="s"><skipped message="{skip_reason}"/></testcase>'
     failure = '<testcase classname="t" name="bad"><failure message="x"/></testcase>' if pytest_failures else ""
     (out / "pytest-gpu.xml").write_text(f'<testsuites><testsuite tests="{3 + pytest_failures}" failures="{pytest_failures}" '
                                         f'errors="0" skipped="0">{cases}{failure}</testsuite></testsuites>')
@@ -84,6 +87,36 @@ def test_summary_of_a_run_whose_checks_passed_but_a_step_did_not_run(tmp_path, c
     assert validate["status"] == "passed" and validate["surrogate_bound_used_max"] == 0.06
     md = (tmp_path / "out" / "gpu-check.md").read_text()
     assert md.startswith("# GPU check: INCOMPLETE") and "MISSED" in md and "NVIDIA H100 80GB HBM3" in md
+
+
+@pytest.mark.parametrize("partial", [
+    {"not_run": [{"check": "operator:threshold_compaction_plugin", "level": "operator"}]},
+    {"skip_reason": "needs a CUDA GPU; none is visible to torch on this machine"},
+    {"ragged_step": "bench_ragged_decode\t124\t40\t1"},  # stopped by the overall budget, not its own limit
+    {"ragged_step": "bench_ragged_decode\tmissing\t0\t0"},
+])
+def test_what_did_not_run_is_never_counted_as_passed(tmp_path, partial):
+    _write_run(tmp_path / "out", **partial)
+    assert gpu_check_summary.main([str(tmp_path / "out")]) == 3
+    summary = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert summary["verdict"] == "incomplete" and summary["failed"] == [] and summary["not_run"]
+
+
+def test_a_step_past_its_own_limit_failed(tmp_path):
+    _write_run(tmp_path / "out", ragged_step="bench_ragged_decode\t124\t150\t0")
+    assert gpu_check_summary.main([str(tmp_path / "out")]) == 1
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+def test_a_non_empty_outdir_or_a_non_bundle_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.json").write_text("{}")
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not empty" in done.stderr
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "new"), str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "not a bundle" in done.stderr and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("broken", [{"sanitizer_errors": 2}, {"validate_verdict": "failed"}, {"pytest_failures": 1},

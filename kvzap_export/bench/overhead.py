@@ -13,8 +13,13 @@ for 128 GiB) and float32 on a CPU.
   sides are also timed inside CUDA graphs (what a serving engine replays at decode; eager, one token's scoring is
   launch-bound) and the overhead is given both ways.
 
-Times: on a GPU, CUDA events around 20 back-to-back calls (the steady state of a serving loop), median of 15; on a
-CPU, wall clock, median. FLOPs are exact counts (2 x multiply-adds). Rows a machine cannot run (no GPU, no nvcc) are kept with ``skipped``
+Times: on a GPU, CUDA events around back-to-back calls (the steady state of a serving loop; as many as last about
+2 ms), median of 15; on a CPU, wall clock, median. Scoring and the decision are timed over ``LAYERS`` layers' own
+weights and rows per call and divided by ``LAYERS``, so that, as in an engine, a layer's surrogate weights are not
+still in the L2 cache from the previous call (32 MLP surrogates of Llama-3.1-8B hold 128 MiB in bf16; an H100's L2
+holds 50 MB); the attention block reads 84 MB of weights and, at decode, a 134 MB cache every call anyway. On a
+GPU scoring and the decision are each their own CUDA graph (two replays where an engine would have none inside its
+decode graph: against KVzap). FLOPs are exact counts (2 x multiply-adds). Rows a machine cannot run (no GPU, no nvcc) are kept with ``skipped``
 and the reason.
 """
 
@@ -27,6 +32,7 @@ from kvzap_export.bench.timing import measure, measure_cuda
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, MLP_HIDDEN = 4096, 32, 8, 128, 14336, 512
 THRESHOLD, WINDOW = -4.0, 128
+LAYERS = 32  # Llama-3.1-8B's: scoring and decisions are timed over this many layers' own weights and rows
 
 
 def attention_flops(q_len: int, kv_len: int, causal: bool) -> int:
@@ -90,9 +96,10 @@ def graphed(fn):
     return graph.replay
 
 
-def _prefill_compactions(device: str, seq: int) -> dict:
-    """Name -> a callable of the prompt's fused compaction (or the reason it cannot run here)."""
-    scores = torch.randn(1, KV_HEADS, seq, device=device) * 2 - 4
+def _prefill_compactions(device: str, seq: int, dtype) -> dict:
+    """Name -> a callable of the prompt's fused compaction (or the reason it cannot run here); scores in the model's
+    dtype, as the surrogate writes them."""
+    scores = (torch.randn(1, KV_HEADS, seq, device=device) * 2 - 4).to(dtype)
     lengths = torch.tensor([seq], dtype=torch.int32, device=device)
     if device != "cuda":
         from kvzap_export.kernels.torch_ops import threshold_compaction
@@ -115,22 +122,29 @@ def _prefill_compactions(device: str, seq: int) -> dict:
     return out
 
 
-def _decision(device: str, dtype, cache: int):
-    """The per-step decision over one layer's rows (batch 1 x 8 KV heads), in place, as the engine runs it."""
+def _decision(device: str, dtype, cache: int, layers: int):
+    """The per-step decision over ``layers`` layers' rows (batch 1 x 8 KV heads each), in place, as the engine runs
+    it: one call per layer."""
     from kvzap_export.kernels import decode_decision
 
     gen = torch.Generator().manual_seed(1)
     entries = KV_HEADS * cache
     scores = (torch.randn(entries, generator=gen) * 2 - 4).to(device, dtype)
-    ids = torch.randperm(entries, generator=gen).to(torch.int32).view(KV_HEADS, cache).to(device)
-    lengths = torch.full((KV_HEADS,), cache, dtype=torch.int32, device=device)
+    ids = torch.stack([torch.randperm(entries, generator=gen)[: KV_HEADS * cache].view(KV_HEADS, cache)
+                       for _ in range(layers)]).to(device, torch.int32)
+    lengths = torch.full((layers, KV_HEADS), cache, dtype=torch.int32, device=device)
     leaving = torch.ones(KV_HEADS, dtype=torch.int32, device=device)
     freed = torch.empty(KV_HEADS, dtype=torch.int32, device=device)
     if device == "cuda":
-        return "Triton kernel", lambda: decode_decision.launch_decide_leaving(scores, ids, lengths, leaving, THRESHOLD,
-                                                                               WINDOW, freed)
-    return "torch formula (engines' CPU path)", lambda: decode_decision.decide_leaving(scores, ids, lengths, leaving,
-                                                                                       THRESHOLD, WINDOW)
+        def run():
+            for layer in range(layers):
+                decode_decision.launch_decide_leaving(scores, ids[layer], lengths[layer], leaving, THRESHOLD, WINDOW, freed)
+        return "Triton kernel", run
+
+    def run_torch():
+        for layer in range(layers):
+            decode_decision.decide_leaving(scores, ids[layer], lengths[layer], leaving, THRESHOLD, WINDOW)
+    return "torch formula (engines' CPU path)", run_torch
 
 
 def _timer(cuda: bool):
@@ -148,18 +162,19 @@ def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 327
     sync = None
     measure = _timer(cuda)
     block = AttentionBlock().to(device, dtype).eval()
-    scorers = {v: BundleScorer(Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, 1, MLP_HIDDEN if v == "mlp" else None)))
+    layers = LAYERS if cuda else 1  # a CPU has no L2 to defeat at these sizes; one layer keeps its run short
+    scorers = {v: BundleScorer(Surrogate(SurrogateConfig(HIDDEN, KV_HEADS, layers, MLP_HIDDEN if v == "mlp" else None)))
                for v in ("linear", "mlp")}  # the engines' scoring path (functional eager calls)
-    common = {"benchmark": "overhead", "dtype": str(dtype).removeprefix("torch."), "batch": 1}
+    common = {"benchmark": "overhead", "dtype": str(dtype).removeprefix("torch."), "batch": 1, "layers_per_call": layers}
     rows = []
     with torch.no_grad():
         for seq in prefill:
             x = torch.randn(seq, HIDDEN, device=device, dtype=dtype)
             # seconds per call on a CPU: one timed run after the warm-up is enough
             attn = measure(lambda: block(x), sync=sync, min_repeats=1, min_seconds=0.0)
-            compactions = _prefill_compactions(device, seq)
+            compactions = _prefill_compactions(device, seq, dtype)
             for variant, scorer in scorers.items():
-                score = measure(lambda: scorer.score(0, x), sync=sync)
+                score = _per_layer(measure(lambda: _score_layers(scorer, x), sync=sync), scorer.num_layers)
                 for name, run in compactions.items():
                     row = {**common, "phase": "prefill", "q_len": seq, "kv_len": seq, "variant": variant,
                            "compaction": name, "attention_s": attn["median_s"], "scoring_s": score["median_s"],
@@ -175,29 +190,40 @@ def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 327
     return rows
 
 
+def _score_layers(scorer, x) -> None:
+    """Scores ``x`` with every layer's own surrogate weights, as a forward does."""
+    for layer in range(scorer.num_layers):
+        scorer.score(layer, x)
+
+
+def _per_layer(timing: dict, layers: int) -> dict:
+    return {**timing, "median_s": timing["median_s"] / layers}
+
+
 def _decode_rows(block, scorers, device, dtype, cache, common, sync) -> list[dict]:
     cuda = device == "cuda"
     measure = _timer(cuda)
+    layers = common["layers_per_call"]
     x = torch.randn(1, HIDDEN, device=device, dtype=dtype)
     k_cache = torch.randn(1, KV_HEADS, cache, HEAD_DIM, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     step = lambda: block.decode(x, k_cache, v_cache)  # noqa: E731
     attn = measure(step, sync=sync)
-    decision_kind, decide = _decision(device, dtype, cache)
-    decision = measure(decide, sync=sync)
+    decision_kind, decide = _decision(device, dtype, cache, layers)
+    decision = _per_layer(measure(decide, sync=sync), layers)
     attn_graph = measure(graphed(step), sync=sync) if cuda else None
-    decision_graph = measure(graphed(decide), sync=sync) if cuda else None
+    decision_graph = _per_layer(measure(graphed(decide), sync=sync), layers) if cuda else None
     rows = []
     for variant, scorer in scorers.items():
-        score_fn = lambda: scorer.score(0, x)  # noqa: E731
-        score = measure(score_fn, sync=sync)
+        score_fn = lambda: _score_layers(scorer, x)  # noqa: E731
+        score = _per_layer(measure(score_fn, sync=sync), scorer.num_layers)
         row = {**common, "phase": "decode", "q_len": 1, "kv_len": cache, "variant": variant, "decision": decision_kind,
                "attention_s": attn["median_s"], "scoring_s": score["median_s"], "decision_s": decision["median_s"],
                "overhead_time_pct": 100 * (score["median_s"] + decision["median_s"]) / attn["median_s"],
                "scoring_flops_pct_of_attention": 100 * scoring_flops(1, variant) / attention_flops(1, cache, False),
                "scoring_flops_pct_of_layer_linear": 100 * scoring_flops(1, variant) / layer_linear_flops(1)}
         if cuda:
-            score_graph = measure(graphed(score_fn), sync=sync)
+            score_graph = _per_layer(measure(graphed(score_fn), sync=sync), scorer.num_layers)
             row.update({"attention_graphed_s": attn_graph["median_s"], "scoring_graphed_s": score_graph["median_s"],
                         "decision_graphed_s": decision_graph["median_s"],
                         "overhead_graphed_time_pct": 100 * (score_graph["median_s"] + decision_graph["median_s"])

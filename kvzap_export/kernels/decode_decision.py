@@ -9,8 +9,9 @@ column left, ``lengths[r]`` drops by one and ``freed[r]`` is the candidate's id;
 Rows shorter than ``window + 1`` are left alone.
 
 - ``decide_leaving``: the torch formula (any device; the CPU path, and the reference of the kernel);
-- ``launch_decide_leaving``: one Triton program per row, in place, no host sync, no allocation given ``freed``:
-  what an engine captures in its decode CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (tests).
+- ``launch_decide_leaving``: one Triton program per row, in place (a barrier between the row's loads and its
+  stores: the shift overlaps itself), no host sync, no allocation given ``freed``: what an engine captures in its
+  decode CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tenso
     column = length - window - 1
     ready = leaving.bool() & (column >= 0)
     candidate = ids.gather(1, column.clamp(min=0)[:, None])[:, 0].to(torch.int64)
+    candidate = torch.where(ready, candidate, 0)  # a row not deciding may hold any padding id: never index with it
     evict = ready & (scores[candidate] < threshold)
     cols = torch.arange(width, device=ids.device)
     moving = evict[:, None] & (cols >= column[:, None]) & (cols < length[:, None] - 1)
@@ -64,13 +66,16 @@ if triton is not None:
         column = length - window - 1
         row = ids_ptr + r.to(tl.int64) * stride_row
         go = (tl.load(leaving_ptr + r) != 0) & (column >= 0)
-        candidate = tl.load(row + tl.maximum(column, 0))
+        candidate = tl.load(row + tl.maximum(column, 0), mask=go, other=0)
         DTYPE: tl.constexpr = scores_ptr.dtype.element_ty
         score = tl.load(scores_ptr + candidate.to(tl.int64), mask=go, other=0.0)
         evict = go & (widen_scores(score, DTYPE) < tau_in_dtype(tl.cast(threshold, tl.float32), DTYPE))  # strict <: NaN is kept
         offs = tl.arange(0, SPAN)
         move = offs < tl.where(evict, window, 0)  # columns column+1 ... length-1 (window of them) move one left
         tail = tl.load(row + column + 1 + offs, mask=move, other=0)
+        # Every thread's loads (the tail, the length) before any store: without this barrier a warp could write
+        # row[column + 32 k] before the warp below read it (the shift overlaps itself across warps).
+        tl.debug_barrier()
         tl.store(row + column + offs, tail, mask=move)
         tl.store(lengths_ptr + r, tl.where(evict, length - 1, length))
         tl.store(freed_ptr + r, tl.where(evict, candidate, -1))

@@ -25,9 +25,10 @@ form of Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019):
   bias 1e-3 off exceeds the bound.
 - bfloat16 / float16 bundles (u_d = 2^-8 / 2^-11): the reference and the backend both take the operands rounded
   to that dtype and accumulate in float32, then round each node's output (the hidden pre-activation, the GELU
-  output, the scores) to the dtype, or fuse nodes and round less. Those roundings dominate; they are bounded
-  deterministically (first order, no probability): ``|dz| <= u_d |z| + float32 part``, ``|dh| <= 1.13 |dz| +
-  u_d |h|``, ``|dy| <= sum_j |W2_j| |dh_j| + u_d |y| + float32 part``.
+  output, the scores) to the dtype, or fuse nodes and round less, or round the product before adding its bias
+  (a graph that does not fuse the bias). Those roundings dominate; they are bounded deterministically (first
+  order, no probability): ``|dz| <= u_d (|z| + |xW|) + float32 part``, ``|dh| <= 1.13 |dz| + u_d |h|``,
+  ``|dy| <= sum_j |W2_j| |dh_j| + u_d (|y| + |hW2|) + float32 part``.
 
 Compaction is not concerned: its outputs are integers and booleans, compared exactly.
 """
@@ -39,11 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvzap_export.export.dtypes import TORCH_DTYPES
+
 LAMBDA = 8.0
 GELU_SLOPE = 1.13  # max |d/dx x*Phi(x)| = 1.1289 at x = sqrt(2)
 GELU_ULPS = 4.0  # a float32 erf-based GELU's own error, in units of u * |output|
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-TORCH_ROUNDING = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -58,8 +60,9 @@ class Bounded:
         """The bound in a report: its model and its size on these inputs."""
         model = ("float32: 8 units u*sqrt(n)*sqrt(|t|^2+S^2) per dot product (n: reduction length), in quadrature "
                  "through the layers" if self.dtype == "float32" else
-                 f"{self.dtype}: each node output rounded to {self.dtype} (u = {UNIT_ROUNDOFF[self.dtype]:.3g}), first-order "
-                 "worst case through the layers, plus the float32 accumulation's 8 units")
+                 f"{self.dtype}: each node output (and each product before its bias) rounded to {self.dtype} "
+                 f"(u = {UNIT_ROUNDOFF[self.dtype]:.3g}), first-order worst case through the layers, plus the float32 "
+                 "accumulation's 8 units")
         return {"model": model, "lambda": LAMBDA, "unit_roundoff": UNIT_ROUNDOFF[self.dtype],
                 "bound_min": float(self.bound.min(initial=np.inf)), "bound_median": float(np.median(self.bound)) if self.bound.size else 0.0,
                 "bound_max": float(self.bound.max(initial=0.0))}
@@ -67,17 +70,19 @@ class Bounded:
 
 def _operand(tensor: torch.Tensor, dtype: str) -> np.ndarray:
     """float64 copy of ``tensor`` rounded to ``dtype`` first (what both computations receive)."""
-    if dtype in TORCH_ROUNDING:
-        tensor = tensor.to(TORCH_ROUNDING[dtype])
+    if dtype != "float32":
+        tensor = tensor.to(TORCH_DTYPES[dtype])
     return tensor.to(torch.float32).double().numpy() if tensor.dtype != torch.float64 else tensor.numpy()
 
 
-def _affine(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, u32: float) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, n] @ weight[m, n]^T + bias in float64, and the float32 summation unit U [T, m] of each output."""
-    exact = x @ weight.T + bias
+def _affine(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, u32: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, n] @ weight[m, n]^T + bias in float64, the float32 summation unit U [T, m] of each output, and |x @ W^T|
+    (the product before the bias: a graph that does not fuse the bias rounds it on its own)."""
+    product = x @ weight.T
+    exact = product + bias
     squares = (x * x) @ (weight * weight).T + bias * bias  # |t|_2^2 over the n products and the bias
     n = weight.shape[1] + 1
-    return exact, u32 * np.sqrt(n) * np.sqrt(squares + exact * exact)
+    return exact, u32 * np.sqrt(n) * np.sqrt(squares + exact * exact), np.abs(product)
 
 
 def _gelu(z: np.ndarray) -> np.ndarray:
@@ -96,22 +101,22 @@ def reference_and_bound(module: torch.nn.Module, hidden_states: np.ndarray | tor
     linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
     params = [(_operand(m.weight.detach().cpu(), dtype), _operand(m.bias.detach().cpu(), dtype)) for m in linears]
     (w1, b1) = params[0]
-    z, unit_z = _affine(w1, b1, x, u32)
+    z, unit_z, product_z = _affine(w1, b1, x, u32)
     if len(params) == 1:  # linear variant: one dot product per score
-        err = LAMBDA * unit_z + (ud * np.abs(z) if low else 0.0)
+        err = LAMBDA * unit_z + (ud * (np.abs(z) + product_z) if low else 0.0)
         return Bounded(z, err, dtype)
     if len(params) != 2:
         raise ValueError(f"a surrogate layer is Linear or Linear-GELU-Linear, got {len(params)} Linear modules")
     (w2, b2) = params[1]
-    if low:  # node outputs rounded to the dtype: first-order worst case
-        err_z = ud * np.abs(z) + LAMBDA * unit_z
+    if low:  # node outputs rounded to the dtype (the product before its bias too): first-order worst case
+        err_z = ud * (np.abs(z) + product_z) + LAMBDA * unit_z
         h = _gelu(z)
         err_h = GELU_SLOPE * err_z + ud * np.abs(h)
-        y, unit_y = _affine(w2, b2, h, u32)
-        err = err_h @ np.abs(w2).T + ud * np.abs(y) + LAMBDA * unit_y
+        y, unit_y, product_y = _affine(w2, b2, h, u32)
+        err = err_h @ np.abs(w2).T + ud * (np.abs(y) + product_y) + LAMBDA * unit_y
         return Bounded(y, err, dtype)
     h = _gelu(z)
-    y, unit_y = _affine(w2, b2, h, u32)
+    y, unit_y, _ = _affine(w2, b2, h, u32)
     hidden_units = (GELU_SLOPE * unit_z) ** 2 + (GELU_ULPS * u32 * h) ** 2  # [T, hidden], each in units
     units = np.sqrt(hidden_units @ (w2 * w2).T + unit_y**2)
     return Bounded(y, LAMBDA * units, dtype)

@@ -22,9 +22,9 @@ def test_decode_overhead_times_the_per_step_decision_not_a_compaction(monkeypatc
     monkeypatch.setattr(torch_ops, "threshold_compaction", lambda *a, **k: pytest.fail("a compaction was timed at decode"))
     scorers = {"mlp": BundleScorer(Surrogate(SurrogateConfig(4096, 8, 1, 512)))}
     rows = overhead._decode_rows(overhead.AttentionBlock().eval(), scorers, "cpu", torch.float32, 1024,
-                                 {"benchmark": "overhead"}, None)
+                                 {"benchmark": "overhead", "layers_per_call": 2}, None)
     (row,) = rows
-    assert calls and all(shape == (overhead.KV_HEADS, 1024) for shape in calls)  # one layer's rows, batch 1
+    assert calls and all(shape == (overhead.KV_HEADS, 1024) for shape in calls)  # one layer's rows per call, batch 1
     assert row["phase"] == "decode" and row["decision_s"] > 0 and "compaction_s" not in row
     assert row["overhead_time_pct"] == pytest.approx(100 * (row["scoring_s"] + row["decision_s"]) / row["attention_s"])
     assert row["graphed"].startswith("skipped") and "CUDA" in row["graphed"]
@@ -53,11 +53,9 @@ def test_the_plugin_node_row_is_skipped_without_onnxruntime_extensions(monkeypat
     from kvzap_export.runners import onnxrt
 
     monkeypatch.setitem(sys.modules, "onnxruntime_extensions", None)  # import fails as if not installed
-    onnxrt._define_ops.cache_clear()
-    try:
-        rows = compaction.bench_compaction("cpu", lengths=(1024,))
-    finally:
-        onnxrt._define_ops.cache_clear()
+    # the uncached function: the process's registered ops stay as they are (registering them twice fails in ORT)
+    monkeypatch.setattr(onnxrt, "_define_ops", onnxrt._define_ops.__wrapped__)
+    rows = compaction.bench_compaction("cpu", lengths=(1024,))
     plugin = next(r for r in rows if r["backend"] == "ort_plugin_node")
     assert "onnxruntime-extensions" in plugin["skipped"] and "median_s" not in plugin
     assert next(r for r in rows if r["backend"] == "ort_std_ops")["median_s"] > 0

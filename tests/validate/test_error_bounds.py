@@ -98,7 +98,8 @@ def test_the_linear_variant_has_its_bound(linear):
 @pytest.mark.parametrize("layer", (0, 9))
 def test_bfloat16_has_its_own_bound(mlp, layer):
     """Both bfloat16 computations the toolkit runs (PyTorch's kernels; the ONNX graph's node-by-node emulation is
-    the same arithmetic) are inside; weights 1e-2 off (bfloat16 cannot resolve 1e-3 on these weights) are not."""
+    the same arithmetic) are inside; weights 2e-2 off are not (bfloat16 cannot resolve 1e-3 on these weights, and
+    the bound also covers a graph that rounds each product before adding its bias, which is wider)."""
     x = _hidden(40, seed=1)
     bounded = reference_and_bound(mlp.layers[layer], x, "bfloat16")
     got = mlp.score(layer, torch.from_numpy(x).to(torch.bfloat16)).float().detach().numpy()
@@ -106,7 +107,7 @@ def test_bfloat16_has_its_own_bound(mlp, layer):
     assert within(got, reference_and_bound(mlp.layers[layer], x, "float32"))["passed"] is False  # not float32's bound
     wrong = copy.deepcopy(mlp.layers[layer]).to(torch.bfloat16)
     with torch.no_grad():
-        wrong[2].weight += 1e-2 * torch.randn(wrong[2].weight.shape, generator=torch.Generator().manual_seed(0)).sign().to(torch.bfloat16)
+        wrong[2].weight += 2e-2 * torch.randn(wrong[2].weight.shape, generator=torch.Generator().manual_seed(0)).sign().to(torch.bfloat16)
     result = within(wrong(torch.from_numpy(x).to(torch.bfloat16)).float().detach().numpy(), bounded)
     assert not result["passed"]
 
@@ -120,3 +121,20 @@ def test_nan_and_shape_fail(mlp):
     assert not within(got[:2], bounded)["passed"]
     with pytest.raises(ValueError, match="no error model"):
         reference_and_bound(mlp.layers[0], x, "int8")
+
+
+@pytest.mark.parametrize("layer", (0, 9, 29))
+def test_bfloat16_graphs_that_round_the_product_before_the_bias_are_inside(linear, mlp, layer):
+    """A correct bfloat16 engine that does not fuse the bias (MatMul, then Add, each output rounded) cancels the
+    product against the bias after rounding it: the bound charges that rounding too."""
+    x = torch.from_numpy(_hidden(40, seed=2)).to(torch.bfloat16)
+
+    def unfused(module, h):
+        w, b = module.weight.detach().to(torch.bfloat16), module.bias.detach().to(torch.bfloat16)
+        return (h @ w.T).to(torch.bfloat16) + b  # the product rounded, then the bias added and rounded
+
+    lin = linear.layers[layer]
+    assert within(unfused(lin, x).float().numpy(), reference_and_bound(lin, x.float().numpy(), "bfloat16"))["passed"]
+    first, _gelu, second = mlp.layers[layer]
+    y = unfused(second, torch.nn.functional.gelu(unfused(first, x)))
+    assert within(y.float().numpy(), reference_and_bound(mlp.layers[layer], x.float().numpy(), "bfloat16"))["passed"]
