@@ -46,3 +46,9 @@ class ValidationIncompleteError(KvzapError):
 
     exit_code = 3
     label = "incomplete"
+
+
+class BenchFailedError(KvzapError):
+    """A benchmark suite raised; the others' figures were still written."""
+
+    exit_code = 1

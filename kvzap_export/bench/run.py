@@ -39,12 +39,15 @@ def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress
     suites = _suites(device, compile_scoring)
     chosen = [name for name in suites if only is None or name in only]
     advance = progress("benchmarks", len(chosen)) if progress else None
-    results = {}
+    results, errors = {}, []
     for name in chosen:
         try:
             results[name] = suites[name]()
         except (MissingDependencyError, ModuleNotFoundError) as exc:
             results[name] = _skipped_suite(name, exc)
+        except Exception as exc:  # noqa: BLE001 - one suite's failure must not lose the others' figures
+            results[name] = [{"benchmark": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}]
+            errors.append(name)
         if advance:
             advance()
     return {
@@ -55,4 +58,5 @@ def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress
         "command": " ".join(["kvzap-export", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("kvzap-export") else "kvzap-export bench",
         "torch": torch.__version__,
         "results": results,
+        "errors": errors,  # suites that raised: the command exits 1 after writing what the others measured
     }

@@ -95,10 +95,15 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
         report = run_bench(device, chosen, progress=progress, compile_scoring=with_compile)
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
-    from rich.console import Console
+    else:
+        from rich.console import Console
 
-    console = Console()
-    console.print(f"{report['machine']} · {report['device']} · {report['date']} · torch {report['torch']}")
-    for name, rows in report["results"].items():
-        console.print(_table(name, rows))
+        console = Console()
+        console.print(f"{report['machine']} · {report['device']} · {report['date']} · torch {report['torch']}")
+        for name, rows in report["results"].items():
+            console.print(_table(name, rows))
+    if report["errors"]:
+        from kvzap_export.errors import BenchFailedError
+
+        raise BenchFailedError(f"bench: suite(s) {', '.join(report['errors'])} raised (the other suites' figures are "
+                               "above): " + "; ".join(row["error"] for name in report["errors"] for row in report["results"][name]))

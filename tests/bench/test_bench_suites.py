@@ -68,3 +68,25 @@ def test_a_suite_missing_an_optional_part_is_skipped_with_the_reason(monkeypatch
     report = run.run_bench("cpu", ("e2e",))
     (row,) = report["results"]["e2e"]
     assert row["benchmark"] == "e2e" and "kvpress" in row["skipped"] and "pip install" in row["skipped"]
+
+
+def test_a_suite_that_raises_keeps_the_others_figures_and_fails_the_command(monkeypatch, capsys):
+    import json
+
+    from kvzap_export.cli.main import main
+
+    real = run._suites
+
+    def suites(device, compile_scoring=False):
+        out = real(device, compile_scoring)
+        out["scoring"] = lambda: (_ for _ in ()).throw(RuntimeError("graph capture failed"))
+        out["compaction"] = lambda: [{"benchmark": "compaction", "seq": 1, "median_s": 1.0}]
+        return out
+
+    monkeypatch.setattr(run, "_suites", suites)
+    assert main(["bench", "--only", "scoring,compaction", "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["errors"] == ["scoring"] and report["results"]["compaction"][0]["median_s"] == 1.0
+    assert report["results"]["scoring"] == [{"benchmark": "scoring", "error": "RuntimeError: graph capture failed"}]
+    assert captured.err.count("\n") == 1 and "scoring" in captured.err
