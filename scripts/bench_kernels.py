@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -42,22 +41,11 @@ ODD_SHAPES = ((3, 2, 1000, 24), (2, 3, 5000, 64), (2, 2, 333, 3))
 
 
 def _timer(torch, flush, warmup: int, reps: int):
-    def measure(fn) -> float:
-        """Median seconds of ``fn()`` on the current stream."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+    """Median seconds per call, CUDA events, L2 flushed before each (``bench.timing.flushed_timer``; ``torch`` is
+    passed so that tests can stand a wall clock in)."""
+    from kvzap_export.bench.timing import flushed_timer
 
-    return measure
+    return flushed_timer(flush, warmup, reps)
 
 
 def _inputs(torch, batch: int, heads: int, seq: int, head_dim: int, dtype, seed: int = 0):

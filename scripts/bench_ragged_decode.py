@@ -13,12 +13,10 @@ Sections (each in try/except: an error is recorded in the JSON and the next sect
   kernel over the flattened rows (``FlattenedDecode``: layout fill + kernel, and the kernel alone; split settings
   swept at a few rows), our first Triton ragged kernel at a few rows (slow: few repetitions). Each head keeps a
   length drawn within +-25% of the mean, its entries shuffled in one pool ([E, 128] K and V stores);
-- layer: one decoder layer (RMSNorm, QKV, attention, O, RMSNorm, SwiGLU FFN; random bf16 weights; no rotary
-  embedding, which both sides would pay alike) at decode, dense
-  (K/V written at the end of a full [B, 8, T, 128] cache, SDPA) vs ragged (K/V and the surrogate score written at
-  preallocated entry ids, the token appended to its rows, attention through the flattened kernel, the entry leaving
-  the 128-token window tested against tau and removed if evicted, evicted ids pushed on the free stack and the next
-  step's ids popped), each captured in one CUDA graph and replayed; eager times too;
+- layer: one decoder layer at decode, modelled in ``kvzap_export/bench/ragged_step.py`` (random bf16 weights, no
+  rotary embedding): dense (K/V written at the end of a full [B, 8, T, 128] cache, SDPA) vs ragged (one-head K/V
+  stores, attention through the flattened kernel, the entry leaving the 128-token window tested against tau), each
+  captured in one CUDA graph and replayed; eager times too;
 - replay: 50 steps of the captured ragged step (lengths growing, heads pruned) against the same 50 steps run eagerly
   from the same starting state: the bookkeeping (ids, lengths, free stack top, next ids) must be equal, the attention
   and layer outputs and the K/V/score stores within 1e-2 (max abs differences recorded).
@@ -37,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -48,7 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN, SURROGATE_HIDDEN, WINDOW = 32, 8, 128, 4096, 14336, 512, 128
+from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
+from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
+from kvzap_export.bench.ragged_step import (  # noqa: E402
+    Layer, RaggedState, dense_step, kept_lengths, pool_layout, ragged_step)
+
 ATTENTION_GRID = [(b, t, p) for b in (1, 16, 64) for t in (4096, 32768) for p in (0.4, 0.7)]
 OLD_KERNEL_ROWS = {(1, 32768, 0.7), (16, 32768, 0.7), (64, 4096, 0.7)}
 SWEEP_ROWS = {(1, 32768, 0.7): [("max", 32), ("proportional", 64), ("max", 64)],
@@ -56,11 +57,10 @@ SWEEP_ROWS = {(1, 32768, 0.7): [("max", 32), ("proportional", 64), ("max", 64)],
 LAYER_GRID = [(16, 32768, 0.4), (16, 32768, 0.7), (1, 32768, 0.7), (64, 4096, 0.7), (1, 32768, 0.4), (64, 4096, 0.4)]
 TARGETS = [("attention", 16, 32768, 0.7, 0.5), ("attention", 16, 32768, 0.4, 0.8), ("attention", 1, 32768, 0.7, 1.0),
            ("layer", 16, 32768, 0.7, 0.65), ("layer", 16, 32768, 0.4, 0.95)]
-HEADROOM = 64  # steps of room in every row and the pool (warm-ups, repetitions, replays)
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
 REPLAY_CASE = (4, 4096, 0.7, 50)  # batch, T, pruned, steps of the replay check
 SPLITS = 32  # max_kv_splits of the default flattened configuration (proportional policy)
-DEVICE, DTYPE, FLUSH_BYTES = "cuda", torch.bfloat16, 256 << 20
+FLUSH_BYTES = 256 << 20
 
 
 def device_name() -> str:
@@ -80,174 +80,15 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-# ---- layouts (pure torch: run on any device) ------------------------------------------------------------------
-def kept_lengths(batch: int, kv_heads: int, seq: int, pruned: float, generator: torch.Generator) -> torch.Tensor:
-    """int32 [B, H]: each head's kept entries, uniform within +-25% of (1 - pruned) * seq, in [1, seq]."""
-    mean = (1 - pruned) * seq
-    draw = torch.rand(batch, kv_heads, generator=generator, device=generator.device)
-    return (mean * (0.75 + 0.5 * draw)).round().clamp(1, seq).to(torch.int32)
-
-
-def pool_layout(lengths: torch.Tensor, width: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
-    """Each head's entries: its slice of one random permutation of [0, total) (entries shuffled in one pool).
-    Returns (ids int32 [B, H, width], padding 0; total)."""
-    flat = lengths.reshape(-1).to(torch.int64)
-    total = int(flat.sum())
-    perm = torch.randperm(max(total, 1), generator=generator, device=lengths.device).to(torch.int32)
-    start = torch.cumsum(flat, 0) - flat
-    column = torch.arange(width, device=lengths.device)
-    where = (start[:, None] + column).clamp(max=max(total - 1, 0))
-    ids = torch.where(column < flat[:, None], perm[where], 0)
-    return ids.view(*lengths.shape, width).to(torch.int32), total
-
-
-# ---- one decoder layer -----------------------------------------------------------------------------------------
-class Layer:
-    """Random weights of a Llama decoder layer and of the KVzap MLP surrogate (hidden -> 512 -> kv_heads, GELU)."""
-
-    def __init__(self, hidden=None, q_heads=None, kv_heads=None, head_dim=None, ffn=None, surrogate_hidden=None,
-                 dtype=None, device=None, seed=0):
-        hidden, q_heads, kv_heads = hidden or HIDDEN, q_heads or Q_HEADS, kv_heads or KV_HEADS
-        head_dim, ffn, surrogate_hidden = head_dim or HEAD_DIM, ffn or FFN, surrogate_hidden or SURROGATE_HIDDEN
-        dtype, device = dtype or DTYPE, device or DEVICE
-        g = torch.Generator(device=device).manual_seed(seed)
-        w = lambda *shape: (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)  # noqa: E731
-        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
-        self.w_qkv, self.w_o = w((q_heads + 2 * kv_heads) * head_dim, hidden), w(hidden, q_heads * head_dim)
-        self.w_gate_up, self.w_down = w(2 * ffn, hidden), w(hidden, ffn)
-        self.norm1, self.norm2 = (torch.ones(hidden, device=device, dtype=dtype) for _ in range(2))
-        self.s1, self.b1 = w(surrogate_hidden, hidden), w(surrogate_hidden)
-        self.s2, self.b2 = w(kv_heads, surrogate_hidden), w(kv_heads)
-        self.scale = 1 / math.sqrt(head_dim)
-
-    def front(self, x):
-        """x [B, hidden] -> (h: the attention input, q [B, q_heads, D], k, v [B, kv_heads, D])."""
-        h = F.rms_norm(x, (x.shape[-1],), self.norm1, 1e-5)
-        qkv = h @ self.w_qkv.T
-        nq, nk = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        q = qkv[:, :nq].view(-1, self.q_heads, self.head_dim)
-        k = qkv[:, nq: nq + nk].view(-1, self.kv_heads, self.head_dim)
-        return h, q, k, qkv[:, nq + nk:].view(-1, self.kv_heads, self.head_dim)
-
-    def back(self, x, attn):
-        """x [B, hidden], attn [B, q_heads * D] -> the layer's output [B, hidden]."""
-        x = x + attn @ self.w_o.T
-        gate, up = (F.rms_norm(x, (x.shape[-1],), self.norm2, 1e-5) @ self.w_gate_up.T).chunk(2, -1)
-        return x + (F.silu(gate) * up) @ self.w_down.T
-
-    def scores(self, h):
-        """The surrogate's log-importance per KV head [B, kv_heads] (kvpress: weights in the activation dtype)."""
-        return F.gelu(h @ self.s1.T + self.b1) @ self.s2.T + self.b2
-
-
-def dense_step(layer: Layer, k_cache, v_cache, x):
-    """K/V written at the last position of full caches [B, H, T, D]; SDPA with each group's query heads as query
-    positions (no mask: a decode query sees every entry)."""
-    _, q, k, v = layer.front(x)
-    B, H = k.shape[0], k.shape[1]
-    k_cache[:, :, -1] = k
-    v_cache[:, :, -1] = v
-    attn = F.scaled_dot_product_attention(q.reshape(B, H, -1, q.shape[-1]), k_cache, v_cache, scale=layer.scale)
-    return layer.back(x, attn.reshape(B, -1))
-
-
-class RaggedState:
-    """One layer's ragged K/V for a batch: stores [E, D] and scores [E], ids int32 [B, H, W], lengths int32 [B, H],
-    a free stack (``free`` [E + 1], the last a spare slot; ``top`` int64 [1] on the device), the next token's entry
-    ids ``fresh`` [B, H] (taken from the stack). Everything on the device; steps never read it back."""
-
-    def __init__(self, lengths, ids, total, head_dim, dtype, generator, spare_steps=HEADROOM):
-        device = lengths.device
-        B, H, W = ids.shape
-        E = total + B * H * (spare_steps + 2)
-        self.k = torch.randn(E, head_dim, generator=generator, device=device, dtype=dtype)
-        self.v = torch.randn(E, head_dim, generator=generator, device=device, dtype=dtype)
-        self.scores = torch.randn(E, generator=generator, device=device, dtype=dtype)
-        self.ids = torch.cat([ids, ids.new_zeros(B, H, spare_steps + 2)], -1)  # room to append
-        self.lengths = lengths.clone().to(torch.int32)
-        self.free = torch.cat([torch.arange(E - 1, total - 1, -1, device=device), torch.zeros(total + 1, device=device,
-                                                                                                dtype=torch.int64)])
-        self.free = self.free.to(torch.int32)
-        self.top = torch.full((1,), E - total, dtype=torch.int64, device=device)
-        self.fresh = torch.zeros(B, H, dtype=torch.int32, device=device)
-        self._pop()
-
-    def _pop(self):
-        BH = self.fresh.numel()
-        self.fresh.view(-1).copy_(self.free[self.top - BH + torch.arange(BH, device=self.top.device)])
-        self.top.sub_(BH)
-
-    def clone(self):
-        other = object.__new__(RaggedState)
-        other.__dict__ = {name: t.clone() for name, t in self.__dict__.items()}
-        return other
-
-    def copy_(self, other):
-        for name, t in self.__dict__.items():
-            t.copy_(getattr(other, name))
-
-
-def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float):
-    """One decode step of the ragged mode (see the module docstring); ``attend(q, k, v, ids, lengths, scale)``."""
-    h, q, k, v = layer.front(x)
-    B, H, D = k.shape
-    fresh = st.fresh.view(-1).to(torch.int64)
-    st.k.index_copy_(0, fresh, k.reshape(B * H, D))
-    st.v.index_copy_(0, fresh, v.reshape(B * H, D))
-    st.scores.index_copy_(0, fresh, layer.scores(h).reshape(-1).to(st.scores.dtype))
-    st.ids.scatter_(2, st.lengths.to(torch.int64)[..., None], st.fresh[..., None])  # append the token
-    st.lengths.add_(1)
-    attn = attend(q, st.k, st.v, st.ids, st.lengths, layer.scale)
-    out = layer.back(x, attn.reshape(B, -1))
-    # the entry that left the window: row index length - window - 1 (undecided entries are all held)
-    start = st.lengths.to(torch.int64) - WINDOW - 1
-    columns = start.clamp(min=0)[..., None] + torch.arange(WINDOW + 1, device=x.device)
-    tail = st.ids.gather(2, columns)
-    candidate = tail[..., 0]
-    evict = (st.scores[candidate.to(torch.int64)] < tau) & (start >= 0)
-    shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
-    st.ids.scatter_(2, columns, torch.where(evict[..., None], shifted, tail))
-    st.lengths.sub_(evict.to(torch.int32))
-    gone = evict.view(-1)
-    where = torch.where(gone, st.top + torch.cumsum(gone, 0) - 1, st.free.shape[0] - 1)
-    st.free.index_put_((where,), candidate.view(-1))
-    st.top.add_(gone.sum())
-    st._pop()
-    return out
-
-
 # ---- measuring -------------------------------------------------------------------------------------------------
 def timer(flush, warmup: int, reps: int):
-    def measure(fn) -> float:
-        """Median seconds of ``fn()`` (CUDA events, L2 flushed before each)."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    return measure
+    """Median seconds per call, CUDA events, L2 flushed before each (``bench.timing.flushed_timer``)."""
+    return flushed_timer(flush, warmup, reps)
 
 
 def graphed(fn):
     """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream); returns (graph, its output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    return capture_graph(fn, warmups=2)
 
 
 class Bench:
@@ -256,7 +97,7 @@ class Bench:
 
         self.args, self.kernels, self.FlattenedDecode = args, kernels, FlattenedDecode
         self.device_name = device_name()
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=model.DEVICE)
         self.measure = timer(self.flush, args.warmup, args.reps)
         self.started = time.perf_counter()
         self.report = {"device": self.device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -268,8 +109,9 @@ class Bench:
 
     def flattened(self, batch, width, policy="proportional", splits=None):
         splits = splits or SPLITS
-        return self.FlattenedDecode(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, width, dtype=DTYPE,
-                                    device=DEVICE, max_kv_splits=splits, split_policy=policy, kernels=self.kernels)
+        return self.FlattenedDecode(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, width,
+                                    dtype=model.DTYPE, device=model.DEVICE, max_kv_splits=splits,
+                                    split_policy=policy, kernels=self.kernels)
 
     def row(self, **fields):
         return {"device": self.device_name, **fields}
@@ -279,20 +121,21 @@ class Bench:
         from kvzap_export.kernels.ragged_attention import ragged_decode_attention
         from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
 
-        g = torch.Generator(device=DEVICE).manual_seed(1)
+        g = torch.Generator(device=model.DEVICE).manual_seed(1)
         batch, seq, pruned = EXACT_CASE
-        lengths = kept_lengths(batch, KV_HEADS, seq, pruned, g)
+        lengths = kept_lengths(batch, model.KV_HEADS, seq, pruned, g)
         lengths[0, -1], lengths[-1] = 0, 0  # an empty head, an empty request
         ids, total = pool_layout(lengths, int(lengths.max()), g)
-        k = torch.randn(total, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
-        v = torch.randn(total, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
-        q = (3 * torch.randn(batch, Q_HEADS, HEAD_DIM, device=DEVICE, generator=g)).to(DTYPE)  # peaked softmax
-        want = ragged_decode_attention(q, k, v, ids, lengths, 1 / math.sqrt(HEAD_DIM)).float()
+        k = torch.randn(total, model.HEAD_DIM, device=model.DEVICE, generator=g, dtype=model.DTYPE)
+        v = torch.randn(total, model.HEAD_DIM, device=model.DEVICE, generator=g, dtype=model.DTYPE)
+        q = torch.randn(batch, model.Q_HEADS, model.HEAD_DIM, device=model.DEVICE, generator=g)
+        q = (3 * q).to(model.DTYPE)  # peaked softmax
+        want = ragged_decode_attention(q, k, v, ids, lengths, 1 / math.sqrt(model.HEAD_DIM)).float()
         kernels = {f"sglang-flattened {p} splits {s}": self.flattened(batch, ids.shape[-1], p, s)
                    for p, s in [("proportional", SPLITS), ("max", SPLITS), ("proportional", 2 * SPLITS)]}
         kernels["triton-ragged (ours)"] = ragged_decode_attention_triton
         for name, fn in kernels.items():
-            got = fn(q, k, v, ids, lengths, 1 / math.sqrt(HEAD_DIM)).float()
+            got = fn(q, k, v, ids, lengths, 1 / math.sqrt(model.HEAD_DIM)).float()
             err = (got - want).abs()
             ok = bool(torch.isfinite(got).all()) and bool((err <= 2e-3 + 2e-2 * want.abs()).all())
             case = f"batch {batch}, T {seq}, pruned {pruned}, empty heads"
@@ -303,25 +146,26 @@ class Bench:
     def attention(self):
         from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
 
-        scale = 1 / math.sqrt(HEAD_DIM)
+        scale = 1 / math.sqrt(model.HEAD_DIM)
         for batch, seq in sorted({(b, t) for b, t, _ in ATTENTION_GRID}):
-            need = 2 * batch * KV_HEADS * seq * HEAD_DIM * 2 * 2.5  # dense K/V, the pool, the kept tensors
+            need = 2 * batch * model.KV_HEADS * seq * model.HEAD_DIM * 2 * 2.5  # dense K/V, the pool, the kept tensors
             if need > free_memory() or self.over_budget():
                 self.report["skipped"].append(f"attention batch {batch} T {seq}: memory or time budget")
                 continue
-            g = torch.Generator(device=DEVICE).manual_seed(batch * seq)
-            kd = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
+            g = torch.Generator(device=model.DEVICE).manual_seed(batch * seq)
+            kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
+                             dtype=model.DTYPE)
             vd = torch.randn_like(kd)
-            q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=DEVICE, generator=g).to(DTYPE)
-            qd = q.view(batch, KV_HEADS, -1, HEAD_DIM)
+            q = torch.randn(batch, model.Q_HEADS, model.HEAD_DIM, device=model.DEVICE, generator=g).to(model.DTYPE)
+            qd = q.view(batch, model.KV_HEADS, -1, model.HEAD_DIM)
             dense = self.measure(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
-            dense_bytes = 2 * batch * KV_HEADS * seq * HEAD_DIM * 2
+            dense_bytes = 2 * batch * model.KV_HEADS * seq * model.HEAD_DIM * 2
             self.report["attention"].append(self.row(kernel="sdpa-dense", batch=batch, seq=seq, pruned=0.0,
                                                      time_us=dense * 1e6, gbps=dense_bytes / dense / 1e9, ratio=1.0))
             for pruned in (0.4, 0.7):
-                lengths = kept_lengths(batch, KV_HEADS, seq, pruned, g)
+                lengths = kept_lengths(batch, model.KV_HEADS, seq, pruned, g)
                 ids, total = pool_layout(lengths, int(lengths.max()), g)
-                ks = torch.randn(total, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
+                ks = torch.randn(total, model.HEAD_DIM, device=model.DEVICE, generator=g, dtype=model.DTYPE)
                 vs = torch.randn_like(ks)
                 kept = round((1 - pruned) * seq)
                 base = dict(batch=batch, seq=seq, pruned=pruned, entries=total)
@@ -330,7 +174,7 @@ class Bench:
                 self.report["attention"].append(self.row(kernel="sdpa-kept", **base, time_us=ideal * 1e6,
                                                          ratio=ideal / dense, gbps=dense_bytes * kept / seq / ideal / 1e9))
                 configs = [("proportional", SPLITS)] + SWEEP_ROWS.get((batch, seq, pruned), [])
-                ragged_bytes = total * (2 * HEAD_DIM * 2 + 4)
+                ragged_bytes = total * (2 * model.HEAD_DIM * 2 + 4)
                 for policy, splits in configs:
                     flat = self.flattened(batch, ids.shape[-1], policy, splits)
                     both = self.measure(lambda: flat(q, ks, vs, ids, lengths, scale))
@@ -355,13 +199,13 @@ class Bench:
 
     # -- one layer's step ----------------------------------------------------------------------------------------
     def ragged_setup(self, batch, seq, pruned, seed):
-        g = torch.Generator(device=DEVICE).manual_seed(seed)
-        lengths = kept_lengths(batch, KV_HEADS, seq, pruned, g).clamp(min=WINDOW + 1)
+        g = torch.Generator(device=model.DEVICE).manual_seed(seed)
+        lengths = kept_lengths(batch, model.KV_HEADS, seq, pruned, g).clamp(min=model.WINDOW + 1)
         ids, total = pool_layout(lengths, int(lengths.max()), g)
         steps = 4 * (self.args.warmup + self.args.reps) + 60  # every call below appends one token per head
-        st = RaggedState(lengths, ids, total, HEAD_DIM, DTYPE, g, spare_steps=steps)
+        st = RaggedState(lengths, ids, total, model.HEAD_DIM, model.DTYPE, g, spare_steps=steps)
         flat = self.flattened(batch, st.ids.shape[-1])
-        x = torch.randn(batch, HIDDEN, device=DEVICE, generator=g).to(DTYPE)
+        x = torch.randn(batch, model.HIDDEN, device=model.DEVICE, generator=g).to(model.DTYPE)
         return st, flat, x
 
     def layer(self):
@@ -370,8 +214,9 @@ class Bench:
             if self.over_budget():
                 self.report["skipped"].append(f"layer batch {batch} T {seq} pruned {pruned}: time budget")
                 continue
-            g = torch.Generator(device=DEVICE).manual_seed(7)
-            kd = torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE)
+            g = torch.Generator(device=model.DEVICE).manual_seed(7)
+            kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
+                             dtype=model.DTYPE)
             vd = torch.randn_like(kd)
             st, flat, x = self.ragged_setup(batch, seq, pruned, 8)
             dense_fn = lambda: dense_step(layer, kd, vd, x)  # noqa: E731
@@ -392,8 +237,9 @@ class Bench:
         layer = Layer(seed=3)
         batch, seq, pruned, steps = REPLAY_CASE
         st, flat, x = self.ragged_setup(batch, seq, pruned, 11)
-        inputs = torch.randn(steps, *x.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))
-        inputs = inputs.to(DTYPE)
+        inputs = torch.randn(steps, *x.shape, device=model.DEVICE,
+                             generator=torch.Generator(device=model.DEVICE).manual_seed(5))
+        inputs = inputs.to(model.DTYPE)
         initial = st.clone()
         graph, static_out = graphed(lambda: ragged_step(layer, st, x, flat, self.args.tau))
         st.copy_(initial)  # the warm-ups stepped it: back to the start, same buffers
@@ -409,7 +255,7 @@ class Bench:
             x.copy_(inputs[t])
             out = ragged_step(layer, st, x, flat, self.args.tau)
             eager_out.append((flat.out.clone(), out))
-        held = torch.arange(st.ids.shape[-1], device=DEVICE) < st.lengths[..., None]
+        held = torch.arange(st.ids.shape[-1], device=model.DEVICE) < st.lengths[..., None]
         same_state = bool(torch.equal(st.lengths, graph_state.lengths)
                           and torch.equal(st.ids[held], graph_state.ids[held])
                           and torch.equal(st.top, graph_state.top) and torch.equal(st.fresh, graph_state.fresh))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvzap_export.bench.timing import measure, measure_cuda
+from kvzap_export.bench.timing import capture_graph, measure, measure_cuda
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, MLP_HIDDEN = 4096, 32, 8, 128, 14336, 512
 THRESHOLD, WINDOW = -4.0, 128
@@ -83,17 +83,7 @@ class AttentionBlock(torch.nn.Module):
 
 def graphed(fn):
     """``fn`` captured in a CUDA graph (after warm-up on a side stream); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
+    return capture_graph(fn)[0].replay
 
 
 def _prefill_compactions(device: str, seq: int, dtype) -> dict:

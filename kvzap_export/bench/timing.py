@@ -49,6 +49,46 @@ def measure_cuda(fn: Callable[[], object], repeats: int = 15, target_s: float = 
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats, "inner": inner}
 
 
+def flushed_timer(flush, warmup: int, reps: int) -> Callable[[Callable[[], object]], float]:
+    """``measure(fn)``: median seconds of ``fn()`` on the current CUDA stream over ``reps`` calls, each timed alone by
+    CUDA events after ``flush`` (a large tensor, zeroed) pushed the L2 cache out, after ``warmup`` calls."""
+    import torch
+
+    def measure(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    return measure
+
+
+def capture_graph(fn: Callable[[], object], warmups: int = 3):
+    """``fn`` captured in a CUDA graph after ``warmups`` calls on a side stream (kernels compiled, caches filled,
+    allocations made outside the capture); returns (graph, what the captured call returned)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def measure_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5, min_seconds: float = 0.3,
                         sync: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Times several implementations of the same work in alternating rounds, so that a load spike on a shared
