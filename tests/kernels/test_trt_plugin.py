@@ -144,7 +144,9 @@ def test_build_one_parses_the_retargeted_graph_with_the_aot_flag(tmp_path):
             seen["file"] = name
             return True
 
+    cleared = []
     config = SimpleNamespace(set_memory_pool_limit=lambda *a: None, create_timing_cache=lambda b: object(),
+                             clear_flag=cleared.append,
                              set_timing_cache=lambda cache, ignore_mismatch: True, add_optimization_profile=lambda p: None,
                              get_timing_cache=lambda: SimpleNamespace(serialize=lambda: b"cache"))
     network_builder = SimpleNamespace(
@@ -153,10 +155,12 @@ def test_build_one_parses_the_retargeted_graph_with_the_aot_flag(tmp_path):
         build_serialized_network=lambda network, cfg: b"plan")
     trt = SimpleNamespace(Builder=lambda logger: network_builder, OnnxParser=Parser,
                           NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=0, PREFER_AOT_PYTHON_PLUGINS=3),
-                          MemoryPoolType=SimpleNamespace(WORKSPACE=0), __version__="11.4.0.106")
+                          MemoryPoolType=SimpleNamespace(WORKSPACE=0), BuilderFlag=SimpleNamespace(TF32="tf32"),
+                          __version__="11.4.0.106")
     options = builder.BuildOptions(python_plugin=True)
     plan, cache = builder._build_one(trt, None, path, "plugin.onnx", {}, options, None, plugin=True)
     assert (plan, cache) == (b"plan", b"cache") and seen["flags"] == 0b1001 and "file" not in seen
+    assert cleared == ["tf32"]  # float32 graphs built in float32, not TF32 (the validation's bound)
     node = next(n for n in seen["parsed"].graph.node if n.op_type == PLUGIN_OP)
     assert any(a.name == "plugin_namespace" and a.s == trt_plugin.QDP_NAMESPACE.encode() for a in node.attribute)
     seen.clear()
