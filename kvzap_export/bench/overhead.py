@@ -19,8 +19,8 @@ weights and rows per call and divided by ``LAYERS``, so that, as in an engine, a
 still in the L2 cache from the previous call (32 MLP surrogates of Llama-3.1-8B hold 128 MiB in bf16; an H100's L2
 holds 50 MB); the attention block reads 84 MB of weights and, at decode, a 134 MB cache every call anyway. On a
 GPU scoring and the decision are each their own CUDA graph (two replays where an engine would have none inside its
-decode graph: against KVzap). FLOPs are exact counts (2 x multiply-adds). Rows a machine cannot run (no GPU, no nvcc) are kept with ``skipped``
-and the reason.
+decode graph: against KVzap). FLOPs are exact counts (2 x multiply-adds). Rows a machine cannot run (no GPU, no
+nvcc) are kept with ``skipped`` and the reason.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _decision(device: str, dtype, cache: int, layers: int):
     gen = torch.Generator().manual_seed(1)
     entries = KV_HEADS * cache
     scores = (torch.randn(entries, generator=gen) * 2 - 4).to(device, dtype)
-    ids = torch.stack([torch.randperm(entries, generator=gen)[: KV_HEADS * cache].view(KV_HEADS, cache)
+    ids = torch.stack([torch.randperm(entries, generator=gen).view(KV_HEADS, cache)
                        for _ in range(layers)]).to(device, torch.int32)
     lengths = torch.full((layers, KV_HEADS), cache, dtype=torch.int32, device=device)
     leaving = torch.ones(KV_HEADS, dtype=torch.int32, device=device)
@@ -138,7 +138,8 @@ def _decision(device: str, dtype, cache: int, layers: int):
 
 
 def _timer(cuda: bool):
-    """CUDA events over back-to-back calls on a GPU (``measure_cuda``), wall clock with a median on a CPU."""
+    """CUDA events over back-to-back calls on a GPU (``measure_cuda``), wall clock with a median on a CPU (keyword
+    arguments: ``measure``'s, ignored on a GPU)."""
     return (lambda fn, **_: measure_cuda(fn)) if cuda else measure
 
 
@@ -149,7 +150,6 @@ def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 327
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     torch.manual_seed(0)
     cuda = device == "cuda"
-    sync = None
     measure = _timer(cuda)
     block = AttentionBlock().to(device, dtype).eval()
     layers = LAYERS if cuda else 1  # a CPU has no L2 to defeat at these sizes; one layer keeps its run short
@@ -161,10 +161,10 @@ def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 327
         for seq in prefill:
             x = torch.randn(seq, HIDDEN, device=device, dtype=dtype)
             # seconds per call on a CPU: one timed run after the warm-up is enough
-            attn = measure(lambda: block(x), sync=sync, min_repeats=1, min_seconds=0.0)
+            attn = measure(lambda: block(x), min_repeats=1, min_seconds=0.0)
             compactions = _prefill_compactions(device, seq, dtype)
             for variant, scorer in scorers.items():
-                score = _per_layer(measure(lambda: _score_layers(scorer, x), sync=sync), scorer.num_layers)
+                score = _per_layer(measure(lambda: _score_layers(scorer, x)), scorer.num_layers)
                 for name, run in compactions.items():
                     row = {**common, "phase": "prefill", "q_len": seq, "kv_len": seq, "variant": variant,
                            "compaction": name, "attention_s": attn["median_s"], "scoring_s": score["median_s"],
@@ -173,10 +173,10 @@ def bench_overhead(device: str = "cpu", prefill=(4096,), decode_cache: int = 327
                     if isinstance(run, str):
                         rows.append({**row, "skipped": run})
                         continue
-                    comp = measure(run, sync=sync)
+                    comp = measure(run)
                     rows.append({**row, "compaction_s": comp["median_s"],
                                  "overhead_time_pct": 100 * (score["median_s"] + comp["median_s"]) / attn["median_s"]})
-        rows += _decode_rows(block, scorers, device, dtype, decode_cache, common, sync)
+        rows += _decode_rows(block, scorers, device, dtype, decode_cache, common)
     return rows
 
 
@@ -190,7 +190,7 @@ def _per_layer(timing: dict, layers: int) -> dict:
     return {**timing, "median_s": timing["median_s"] / layers}
 
 
-def _decode_rows(block, scorers, device, dtype, cache, common, sync) -> list[dict]:
+def _decode_rows(block, scorers, device, dtype, cache, common) -> list[dict]:
     cuda = device == "cuda"
     measure = _timer(cuda)
     layers = common["layers_per_call"]
@@ -198,22 +198,22 @@ def _decode_rows(block, scorers, device, dtype, cache, common, sync) -> list[dic
     k_cache = torch.randn(1, KV_HEADS, cache, HEAD_DIM, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     step = lambda: block.decode(x, k_cache, v_cache)  # noqa: E731
-    attn = measure(step, sync=sync)
+    attn = measure(step)
     decision_kind, decide = _decision(device, dtype, cache, layers)
-    decision = _per_layer(measure(decide, sync=sync), layers)
-    attn_graph = measure(graphed(step), sync=sync) if cuda else None
-    decision_graph = _per_layer(measure(graphed(decide), sync=sync), layers) if cuda else None
+    decision = _per_layer(measure(decide), layers)
+    attn_graph = measure(graphed(step)) if cuda else None
+    decision_graph = _per_layer(measure(graphed(decide)), layers) if cuda else None
     rows = []
     for variant, scorer in scorers.items():
         score_fn = lambda: _score_layers(scorer, x)  # noqa: E731
-        score = _per_layer(measure(score_fn, sync=sync), scorer.num_layers)
+        score = _per_layer(measure(score_fn), scorer.num_layers)
         row = {**common, "phase": "decode", "q_len": 1, "kv_len": cache, "variant": variant, "decision": decision_kind,
                "attention_s": attn["median_s"], "scoring_s": score["median_s"], "decision_s": decision["median_s"],
                "overhead_time_pct": 100 * (score["median_s"] + decision["median_s"]) / attn["median_s"],
                "scoring_flops_pct_of_attention": 100 * scoring_flops(1, variant) / attention_flops(1, cache, False),
                "scoring_flops_pct_of_layer_linear": 100 * scoring_flops(1, variant) / layer_linear_flops(1)}
         if cuda:
-            score_graph = _per_layer(measure(graphed(score_fn), sync=sync), scorer.num_layers)
+            score_graph = _per_layer(measure(graphed(score_fn)), scorer.num_layers)
             row.update({"attention_graphed_s": attn_graph["median_s"], "scoring_graphed_s": score_graph["median_s"],
                         "decision_graphed_s": decision_graph["median_s"],
                         "overhead_graphed_time_pct": 100 * (score_graph["median_s"] + decision_graph["median_s"])

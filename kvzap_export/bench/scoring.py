@@ -48,7 +48,6 @@ def bench_scoring(device: str = "cpu", tokens=TOKENS, compile_torch: bool = Fals
             surrogate = Surrogate(SurrogateConfig(hidden, heads, 1, mlp_hidden if variant == "mlp" else None)).eval()
             scorer = BundleScorer(surrogate)
             compiled = torch.compile(surrogate.layers[0].to(device, dtype), dynamic=True) if compile_torch else None
-            sync = torch.cuda.synchronize if device == "cuda" else None
             with tempfile.TemporaryDirectory() as tmp:
                 session = _ort_session(surrogate.cpu(), Path(tmp)) if device == "cpu" else None
                 for count in tokens:
@@ -62,7 +61,7 @@ def bench_scoring(device: str = "cpu", tokens=TOKENS, compile_torch: bool = Fals
                             fns["torch_compile"] = lambda: compiled(x)
                         if session is not None:
                             fns["onnxruntime"] = lambda: session.run(None, {"hidden_states": x_np})
-                        results = _timed(fns, sync, device)
+                        results = _timed(fns, device)
                     for backend, timing in results.items():
                         rows.append({"benchmark": "scoring", "shapes": shape_name, "variant": variant, "tokens": count,
                                      "dtype": str(dtype).removeprefix("torch."), "backend": backend,
@@ -75,11 +74,11 @@ def bench_scoring(device: str = "cpu", tokens=TOKENS, compile_torch: bool = Fals
     return rows
 
 
-def _timed(fns: dict, sync, device: str) -> dict:
+def _timed(fns: dict, device: str) -> dict:
     """Interleaved wall-clock rounds on a CPU; CUDA events over back-to-back calls on a GPU (a host sync per call
     would be most of a graph replay's few microseconds)."""
     if device != "cuda":
-        return measure_interleaved(fns, sync=sync)
+        return measure_interleaved(fns)
     results = {name: measure_cuda(fn) for name, fn in fns.items()}
     eager = results["torch_eager"]["median_s"]
     return {name: {**r, "ratio_vs_first": eager / r["median_s"]} for name, r in results.items()}

@@ -64,7 +64,8 @@ class Bounded:
                  f"(u = {UNIT_ROUNDOFF[self.dtype]:.3g}), first-order worst case through the layers, plus the float32 "
                  "accumulation's 8 units")
         return {"model": model, "lambda": LAMBDA, "unit_roundoff": UNIT_ROUNDOFF[self.dtype],
-                "bound_min": float(self.bound.min(initial=np.inf)), "bound_median": float(np.median(self.bound)) if self.bound.size else 0.0,
+                "bound_min": float(self.bound.min(initial=np.inf)),
+                "bound_median": float(np.median(self.bound)) if self.bound.size else 0.0,
                 "bound_max": float(self.bound.max(initial=0.0))}
 
 
@@ -72,7 +73,7 @@ def _operand(tensor: torch.Tensor, dtype: str) -> np.ndarray:
     """float64 copy of ``tensor`` rounded to ``dtype`` first (what both computations receive)."""
     if dtype != "float32":
         tensor = tensor.to(TORCH_DTYPES[dtype])
-    return tensor.to(torch.float32).double().numpy() if tensor.dtype != torch.float64 else tensor.numpy()
+    return tensor.double().numpy()  # exact widening from any of the three dtypes
 
 
 def _affine(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, u32: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

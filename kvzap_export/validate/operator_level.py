@@ -103,7 +103,6 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
     (a GPU and a CPU) both do; an edited weight or a swapped layer does not. The report also gives each backend's
     difference from the PyTorch reference."""
     device = device or Device("cpu")
-    cpu_surrogate = surrogate
     surrogate = surrogate.to(device.torch_device)
     dtype = manifest["dtype"]
     checks, samples = [], {}
@@ -114,7 +113,7 @@ def check_operators(bundle: Path, manifest: dict, surrogate: Surrogate, backends
         runners = _surrogate_runners(bundle, manifest, artifact, surrogate, backends, plugin_libraries, device)
         feeds = _hidden_feeds(hidden, layer, surrogate.config.input_dim, dtype, seed=0)
         reference, others = runners[0], runners[1:]
-        exact = [reference_and_bound(cpu_surrogate.layers[layer], f["hidden_states"], dtype) for f in feeds]
+        exact = [reference_and_bound(surrogate.layers[layer], f["hidden_states"], dtype) for f in feeds]
         worst: dict[str, Any] = {"max_abs_error": 0.0, "max_rel_error": 0.0, "mismatches": 0}
         used: dict[str, float] = {}
         failed_outputs, ran, exported, providers = [], [], [], {}

@@ -22,7 +22,7 @@ def test_decode_overhead_times_the_per_step_decision_not_a_compaction(monkeypatc
     monkeypatch.setattr(torch_ops, "threshold_compaction", lambda *a, **k: pytest.fail("a compaction was timed at decode"))
     scorers = {"mlp": BundleScorer(Surrogate(SurrogateConfig(4096, 8, 1, 512)))}
     rows = overhead._decode_rows(overhead.AttentionBlock().eval(), scorers, "cpu", torch.float32, 1024,
-                                 {"benchmark": "overhead", "layers_per_call": 2}, None)
+                                 {"benchmark": "overhead", "layers_per_call": 2})
     (row,) = rows
     assert calls and all(shape == (overhead.KV_HEADS, 1024) for shape in calls)  # one layer's rows per call, batch 1
     assert row["phase"] == "decode" and row["decision_s"] > 0 and "compaction_s" not in row
