@@ -124,7 +124,7 @@ step pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$O
 
 # 3b. kernel tests that run on the GPU where there is one (not marked gpu: on a CPU they run interpreted)
 step pytest_kernels 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/pytest-kernels.xml" \
-  tests/kernels/test_decode_decision.py tests/kernels/test_flattened_attention.py
+  tests/kernels/test_decode_decision.py tests/kernels/test_flattened_attention.py tests/kernels/test_flattened_step.py
 
 # 4. compute-sanitizer over the compaction kernels' exactness check
 if command -v compute-sanitizer >/dev/null 2>&1; then

@@ -33,6 +33,43 @@ def sglang_python() -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
+def sglang_kernel_source() -> str | None:
+    """A path (or "" for the installed package) holding SGLang's kernel files, or None: the installed sglang, else the
+    site-packages of $KVZAP_SGLANG_PYTHON (the engine environment CI builds), else $KVZAP_SGLANG_KERNELS (the wheel, or
+    a directory holding sglang/kernels/ops/attention/)."""
+    import subprocess
+    from pathlib import Path
+
+    if importlib.util.find_spec("sglang") is not None:
+        return ""
+    python = sglang_python()
+    if python:
+        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, timeout=60).stdout.strip()
+        if purelib and (Path(purelib) / "sglang/kernels/ops/attention/decode_attention.py").is_file():
+            return purelib
+    wheel = os.environ.get("KVZAP_SGLANG_KERNELS")
+    return wheel if wheel and os.path.exists(wheel) else None
+
+
+@pytest.fixture(scope="session")
+def sglang_kernel_path():
+    """Where SGLang's kernel files are (None: the installed package); skips, saying so, where there are none."""
+    found = sglang_kernel_source()
+    if found is None:
+        pytest.skip("needs SGLang's kernel file: sglang installed here, $KVZAP_SGLANG_PYTHON (the engine environment, "
+                    "scripts/sglang_cpu_env.sh) or $KVZAP_SGLANG_KERNELS (the sglang 0.5.23 wheel)")
+    return found or None
+
+
+@pytest.fixture(scope="session")
+def sglang_kernels(sglang_kernel_path):
+    """SGLang's Triton attention kernels, loaded once (``kernels.sglang_kernels.load``)."""
+    from kvzap_export.kernels import sglang_kernels as loader
+
+    return loader.load(sglang_kernel_path)
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch on this machine")
     no_trt = pytest.mark.skip(reason="needs TensorRT (`import tensorrt`); it is not installed on this machine")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -48,6 +49,49 @@ def _device_to_host(func, args, kwargs) -> bool:
         return True
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
     return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+
+
+class Transfers(TorchFunctionMode):
+    """Counts the host<->device transfers OUR code asks for while active, both directions (a test probe):
+
+    - ``reads``: value reads into Python (``HostReads``' list: a device -> host copy and a wait on a GPU);
+    - ``moves``: every ``.to(...)`` naming a device, ``.cpu()``, ``.cuda()``, every non-blocking ``copy_`` and every
+      ``copy_`` between devices (dtype-only ``.to`` is no move).
+
+    A call counts when the Python frame that makes it is under ``kvzap_export/`` (SGLang's kernels, Triton's
+    interpreter and torch make their own). On the CPU engine the "device" is the CPU too, so a move is recognised by
+    naming its target: this counts the calls that would be transfers on a GPU (a blocking ``copy_`` between two CPU
+    tensors is not seen, which is why our uploads go through ``ragged_store.upload``, a ``.to(device)``); on CUDA
+    tensors the device check sees every copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+        self.moves = 0
+
+    @property
+    def count(self) -> int:
+        return self.reads + self.moves
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _PACKAGE in sys._getframe(1).f_code.co_filename:
+            if func in _READS:
+                self.reads += 1
+            elif func in (torch.Tensor.cpu, torch.Tensor.cuda) or (func is torch.Tensor.to and _names_device(args, kwargs)):
+                self.moves += 1
+            elif func is torch.Tensor.copy_ and (kwargs.get("non_blocking") or (len(args) > 2 and args[2])
+                                                 or args[0].device != args[1].device):
+                self.moves += 1
+        return func(*args, **kwargs)
+
+
+_PACKAGE = os.sep + "kvzap_export" + os.sep
+
+
+def _names_device(args, kwargs) -> bool:
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device, torch.Tensor))
 
 
 class StepCounts:

@@ -7,10 +7,11 @@ decisions left).
 
 The pool, ``capacity`` entries (one entry = one token of one KV head of one layer):
 
-- ``k`` [capacity, D], ``v`` [capacity, Dv]: the entry's K and V, in the model's dtype, each contiguous (decode
-  attention gathers keys and reads values in place, ``kernels.ragged_attention``);
-- ``scores`` [capacity]: the surrogate score of the entry's (token, layer, head), kept until a decision tests it
-  (in the model's dtype: kvpress compares in it);
+- ``k`` [capacity + 1, D], ``v`` [capacity + 1, Dv]: the entry's K and V, in the model's dtype, each contiguous
+  (decode attention gathers keys and reads values in place, ``kernels.ragged_attention``); the last row,
+  ``scratch``, is no entry: the writes of a CUDA graph's padding rows land there and nothing reads it;
+- ``scores`` [capacity + 1]: the surrogate score of the entry's (token, layer, head), kept until a decision tests
+  it (in the model's dtype: kvpress compares in it);
 - a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in.
 
 The rows: a table per request that holds entries (SGLang's ``req_pool_idx`` maps to a table slot, taken at its
@@ -23,6 +24,9 @@ first entry and given back at its release, so the tables follow the requests hel
   step's widths are known before its forward without reading the device;
 - ``logical`` (host): tokens appended per request row; ``tested`` (host): positions already decided on.
 
+Host -> device copies (a step's slots, counts, positions) go through ``upload``: one copy per call, from pinned
+memory and non-blocking on CUDA. Device -> host: one read of the new lengths per decision.
+
 Decisions follow kvpress ``DMSPress`` (DESIGN.md): strict ``score < threshold`` evicts, the last ``window``
 logical positions and the first ``sink`` are kept. ``decide_prefill`` tests every entry of a (dense) prompt;
 ``decide_decode`` tests, per (layer, head), the one entry that left the window at this decode step (kvpress
@@ -34,6 +38,18 @@ from __future__ import annotations
 import torch
 
 from kvzap_export.errors import InputError
+
+
+def upload(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Host int64 tensors -> views of ONE device copy (the step's one transfer for them): on CUDA from pinned memory
+    and non-blocking (PyTorch's pinned-memory cache keeps the block until the copy has run), elsewhere as is."""
+    sizes = [p.numel() for p in parts]
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [piece.view(p.shape) for piece, p in zip(flat.split(sizes), parts)]
 
 
 class StoreFull(RuntimeError):
@@ -54,9 +70,10 @@ class RaggedStore:
         self.capacity, self.num_layers, self.num_kv_heads = capacity, num_layers, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim or head_dim
         self.device = torch.device(device)
-        self.k = torch.zeros(capacity, self.head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros(capacity, self.v_head_dim, dtype=dtype, device=self.device)
-        self.scores = torch.zeros(capacity, dtype=dtype, device=self.device)
+        self.scratch = capacity  # the row past the entries (module docstring)
+        self.k = torch.zeros(capacity + 1, self.head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros(capacity + 1, self.v_head_dim, dtype=dtype, device=self.device)
+        self.scores = torch.zeros(capacity + 1, dtype=dtype, device=self.device)
         # Top of the stack = the end; the first ids taken are 0, 1, 2, ... (ascending, contiguous).
         self._free = torch.cat([torch.arange(capacity - 1, -1, -1, dtype=torch.int32),
                                 torch.zeros(1, dtype=torch.int32)]).to(self.device)
@@ -133,7 +150,7 @@ class RaggedStore:
 
     def slots(self, rows: list[int]) -> torch.Tensor:
         """The table slots of request rows that hold entries, int64 on the pool's device (for ``ids[...]``)."""
-        return self.slots_host(rows).to(self.device)
+        return upload(self.device, self.slots_host(rows))[0]
 
     def _cells(self, slots: torch.Tensor, start: torch.Tensor, width: int) -> tuple:
         """Index of columns ``start[b, l, h] ... + width`` of each (slot, layer, head): for ``ids[...]``."""
@@ -168,12 +185,12 @@ class RaggedStore:
         new = self._take(L * H * total).view(L, H, total)
         token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host)  # [T] which request each token is
         token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host)
-        slots, token_row, token_j = (t.to(self.device) for t in (slots_host, token_row, token_j))
+        slots, token_row, token_j, n = upload(self.device, slots_host, token_row, token_j, n_host)
         columns = self.lengths[slots][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
         layer = torch.arange(L, device=self.device)[:, None, None]
         head = torch.arange(H, device=self.device)[None, :, None]
         self.ids.index_put_((slots[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
-        self.lengths[slots] += n_host.to(self.device, torch.int32)[:, None, None]
+        self.lengths[slots] += n.to(torch.int32)[:, None, None]
         self.lengths_host[slots_host] += n_host[:, None, None]
         for r, n in zip(rows, counts):
             self.logical[r] = self.logical.get(r, 0) + n
@@ -206,7 +223,7 @@ class RaggedStore:
             raise InputError(f"decide_prefill: rows {bad} are not held densely (a prompt is decided once, whole)")
         for r in rows:
             self.tested[r] = max(0, self.logical[r] - window)
-        rows_dev = rows_host.to(self.device)
+        rows_dev = upload(self.device, rows_host)[0]
         width = int(self.lengths_host[rows_host].max())
         ids = self.ids[rows_dev, :, :, :width].to(torch.int64)  # [B, L, H, W]
         lengths = self.lengths[rows_dev]
@@ -234,12 +251,12 @@ class RaggedStore:
         for r in rows:
             self.tested[r] = self.tested.get(r, 0) + 1
         rows_host = self.slots_host(rows)
-        rows_dev = rows_host.to(self.device)
+        rows_dev, position = upload(self.device, rows_host,
+                                    torch.tensor([self.logical[r] - window - 1 for r in rows], dtype=torch.int64))
         lengths = self.lengths[rows_dev].to(torch.int64)  # [B, L, H]
         start = lengths - window - 1
         tail = self.ids[self._cells(rows_dev, start, window + 1)]  # [B, L, H, window + 1]
         candidate = tail[..., 0].to(torch.int64)
-        position = torch.tensor([self.logical[r] - window - 1 for r in rows], dtype=torch.int64).to(self.device)
         evict = (self.scores[candidate] < threshold) & (position >= sink)[:, None, None]
         shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
         kept = torch.where(evict[..., None], shifted, tail)

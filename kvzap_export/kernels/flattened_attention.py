@@ -171,28 +171,12 @@ class FlattenedDecode:
         one-head stores [E, D] / [E, Dv] (rows contiguous; any row stride). Returns [B, q_heads, Dv]: ``out`` when
         given (contiguous, q's shape with Dv), else a view of this instance's ``out`` buffer (overwritten by the
         next call)."""
-        R, G = self._rows, self.group
-        if q.dim() != 3 or k_store.dim() != 2 or v_store.dim() != 2 or k_store.shape[-1] != self.head_dim:
-            raise InputError(f"FlattenedDecode.attend: q [B, q_heads, D], stores [E, D]; got {list(q.shape)}, "
-                             f"{list(k_store.shape)}, {list(v_store.shape)}")
-        B, Hq, D = q.shape
-        if B * self.kv_heads != R or Hq != self.kv_heads * G or D != self.head_dim:
-            raise InputError(f"FlattenedDecode.attend: q {list(q.shape)} does not match the filled {R} rows of "
-                             f"{self.kv_heads} KV heads x group {G}, head dim {self.head_dim}")
-        if k_store.stride(-1) != 1 or v_store.stride(-1) != 1 or v_store.shape[-1] != self.v_head_dim:
-            raise InputError("FlattenedDecode.attend: store rows must be contiguous, values of the buffers' Dv")
-        if q.stride(-1) == 1 and q.stride(0) == Hq * q.stride(1):  # the kernel takes any row/head strides
-            q3 = q.as_strided((R, G, D), (G * q.stride(1), q.stride(1), 1))
-        else:
-            q3 = self._q[:R]
-            q3.view(B, Hq, D).copy_(q)
-        o3 = self.out[:R] if out is None else out.view(R, G, self.v_head_dim)
-        S = self.max_kv_splits
-        self.kernels.decode.decode_attention_fwd(
-            q3, k_store.unsqueeze(1), v_store.unsqueeze(1), o3, self.kv_indptr[: R + 1], self.kv_indices,
-            self.attn_logits[:R], self.attn_lse[:R], self.num_kv_splits[:R], S, float(scale), 1.0, 1.0)
-        o3.masked_fill_(self._empty[:R, None, None], 0)  # an empty head: SGLang's stage 2 wrote 0 / 0
-        return o3.view(B, Hq, self.v_head_dim)
+        R = self._rows
+        return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
+                      head_dim=self.head_dim, v_head_dim=self.v_head_dim, kv_indptr=self.kv_indptr[: R + 1],
+                      kv_indices=self.kv_indices, num_kv_splits=self.num_kv_splits[:R], attn_logits=self.attn_logits,
+                      attn_lse=self.attn_lse, empty=self._empty[:R], spare_q=self._q,
+                      out=self.out[:R] if out is None else out)
 
     def __call__(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
                  lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,3 +211,35 @@ def flattened_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: 
         _INSTANCES[key] = inst
     inst.fill(ids, lengths.to(q.device))
     return inst.attend(q, k_store, v_store, scale, out=out)
+
+
+def launch(kernels, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float, *, rows: int,
+           kv_heads: int, group: int, head_dim: int, v_head_dim: int, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+           num_kv_splits: torch.Tensor, attn_logits: torch.Tensor, attn_lse: torch.Tensor, empty: torch.Tensor,
+           spare_q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One call of SGLang's decode kernel over ``rows`` flattened rows laid out in ``kv_indptr`` [rows + 1] (offsets
+    into ``kv_indices``), ``num_kv_splits`` / ``empty`` [rows] and the partial-result buffers (at least ``rows``
+    rows): q [B, kv_heads * group, D] (viewed when its strides allow, else copied into ``spare_q``), stores [E, D] /
+    [E, Dv]; ``out`` [rows, group, Dv] or q's shape with Dv (contiguous). Returns [B, q_heads, Dv] (a view of out).
+    A row with no entry gives zeros."""
+    R, G = rows, group
+    if q.dim() != 3 or k_store.dim() != 2 or v_store.dim() != 2 or k_store.shape[-1] != head_dim:
+        raise InputError(f"flattened decode: q [B, q_heads, D], stores [E, D]; got {list(q.shape)}, "
+                         f"{list(k_store.shape)}, {list(v_store.shape)}")
+    B, Hq, D = q.shape
+    if B * kv_heads != R or Hq != kv_heads * G or D != head_dim:
+        raise InputError(f"flattened decode: q {list(q.shape)} does not match the filled {R} rows of "
+                         f"{kv_heads} KV heads x group {G}, head dim {head_dim}")
+    if k_store.stride(-1) != 1 or v_store.stride(-1) != 1 or v_store.shape[-1] != v_head_dim:
+        raise InputError("flattened decode: store rows must be contiguous, values of the buffers' Dv")
+    if q.stride(-1) == 1 and q.stride(0) == Hq * q.stride(1):  # the kernel takes any row/head strides
+        q3 = q.as_strided((R, G, D), (G * q.stride(1), q.stride(1), 1))
+    else:
+        q3 = spare_q[:R]
+        q3.view(B, Hq, D).copy_(q)
+    o3 = out.view(R, G, v_head_dim)
+    kernels.decode.decode_attention_fwd(
+        q3, k_store.unsqueeze(1), v_store.unsqueeze(1), o3, kv_indptr, kv_indices, attn_logits[:R], attn_lse[:R],
+        num_kv_splits, attn_logits.shape[2], float(scale), 1.0, 1.0)
+    o3.masked_fill_(empty[:, None, None], 0)  # an empty row: SGLang's stage 2 wrote 0 / 0
+    return o3.view(B, Hq, v_head_dim)

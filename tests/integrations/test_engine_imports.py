@@ -28,13 +28,13 @@ def test_import_without_engine(name):
 
 def _calls():
     from kvzap_export.integrations import trtllm
-    from kvzap_export.integrations.sglang import masking, ragged, server_setup
+    from kvzap_export.integrations.sglang import masking, ragged, ragged_pool, server_setup
 
     return {
         "sglang.masking.native_backend_class": lambda: masking.native_backend_class(None),
         "sglang.masking.flex_backend_class": lambda: masking.flex_backend_class(None),
         "sglang.ragged.backend_class": ragged.backend_class,
-        "sglang.ragged.placeholder_pool_class": ragged.placeholder_pool_class,
+        "sglang.ragged_pool.placeholder_pool_class": ragged_pool.placeholder_pool_class,
         "sglang.server_setup.ServerSetup.of": lambda: server_setup.ServerSetup.of(None),
         "trtllm.install": lambda: trtllm.install("."),
         "trtllm.install_sparse_kv": lambda: trtllm.install_sparse_kv(".", keep_fraction=0.5),

@@ -37,32 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def kernel_source() -> str | None:
-    """A path (or "" for the installed package) holding SGLang's kernel files, or None."""
-    if importlib.util.find_spec("sglang") is not None:
-        return ""
-    python = os.environ.get("KVZAP_SGLANG_PYTHON")
-    if python and os.path.isfile(python):
-        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, timeout=60).stdout.strip()
-        if purelib and (Path(purelib) / sglang_kernels.ATTENTION / "decode_attention.py").is_file():
-            return purelib
-    wheel = os.environ.get("KVZAP_SGLANG_KERNELS")
-    return wheel if wheel and os.path.exists(wheel) else None  # the wheel, or a directory of SGLang's files
+@pytest.fixture(scope="module")
+def source(sglang_kernel_path):
+    return sglang_kernel_path
 
 
 @pytest.fixture(scope="module")
-def source():
-    found = kernel_source()
-    if found is None:
-        pytest.skip("needs SGLang's kernel file: sglang installed here, $KVZAP_SGLANG_PYTHON (the engine environment, "
-                    "scripts/sglang_cpu_env.sh) or $KVZAP_SGLANG_KERNELS (the sglang 0.5.23 wheel)")
-    return found or None
-
-
-@pytest.fixture(scope="module")
-def kernels(source):
-    return sglang_kernels.load(source)
+def kernels(sglang_kernels):
+    return sglang_kernels
 
 
 def case(lengths, group, dim=16, v_dim=None, store=300, width=None, dtype=torch.float32, seed=0, id_dtype=torch.int32):

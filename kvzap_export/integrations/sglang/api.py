@@ -40,6 +40,7 @@ _SB = "sglang.srt.managers.schedule_batch"
 _FB = "sglang.srt.model_executor.forward_batch_info"
 _FLEX = "sglang.srt.layers.attention.torch_flex_backend"
 _NATIVE = "sglang.srt.layers.attention.torch_native_backend"
+_BASE_ATTN = "sglang.srt.layers.attention.base_attn_backend"
 _SCHED = "sglang.srt.managers.scheduler"
 _POOL = "sglang.srt.mem_cache.memory_pool"
 
@@ -130,10 +131,11 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.runtime_context", "get_parallel", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_disagg", "function", ()),
     ApiName("sglang.srt.runtime_context", "get_exec", "function", ()),
-    ApiName("sglang.srt.model_executor.cuda_graph_config", "cuda_graph_fully_disabled", "function", ()),
+    ApiName("sglang.srt.model_executor.cuda_graph_config", "check_cuda_graph_backend", "function", ("phase", "backend")),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.init_cuda_graphs", "method",
             ("self", "capture_decode_cuda_graph")),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.attention_backend", "field"),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecGraph.enable_torch_compile", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.decode_attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.exec_", "ExecKernel.prefill_attention_backend", "field"),
     ApiName("sglang.srt.arg_groups.fields.memory", "Memory.enable_unified_memory", "field"),
@@ -169,6 +171,12 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "_PoolSizes.max_total_num_tokens", "field"),
     ApiName("sglang.srt.beam_search.coordinator", "BeamCoordinator.validate_and_init", "method", ("self", "req", "recv_req")),
     ApiName(_POOL, "NoOpMHATokenToKVPool", "class"),
+    # ragged mode's decode CUDA graphs (DecodeCudaGraphRunner calls these on the backend)
+    ApiName(_BASE_ATTN, "AttentionBackend.init_cuda_graph_state", "method", ("self", "max_bs", "max_num_tokens")),
+    ApiName(_BASE_ATTN, "AttentionBackend.get_cuda_graph_seq_len_fill_value", "method", ("self",)),
+    ApiName(_BASE_ATTN, "AttentionBackend.init_forward_metadata_out_graph", "method",
+            ("self", "forward_batch", "in_capture")),
+    ApiName(_POOL, "ReqToTokenPool.size", "field"),
     ApiName(_POOL, "NoOpMHATokenToKVPool._finalize_allocation_log", "method", ("self", "num_tokens")),
     ApiName(_POOL, "MHATokenToKVPool.layer_num", "field"),
     ApiName(_POOL, "MHATokenToKVPool.head_num", "field"),
@@ -200,6 +208,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.layers.radix_attention", "RadixAttention.v_head_dim", "field"),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.token_to_kv_pool_allocator", "field"),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.req_to_token_pool", "field"),
+    ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.model_config", "field"),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.num_attention_heads", "field"),
     # the offline engine the driver runs (validate --engine, bench --engine)
     ApiName("sglang", "Engine", "name"),
     ApiName("sglang.srt.entrypoints.engine", "Engine.generate", "method", ("self", "prompt", "sampling_params", "input_ids")),

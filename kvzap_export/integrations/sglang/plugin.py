@@ -113,9 +113,10 @@ def _scheduler_built_hook(result, scheduler, *args, **kwargs):
 
 @one_line
 def _graphs_hook(model_runner, *args, **kwargs):
-    """Before the model runner captures graphs: KVzap's hooks run in Python, which graph replay skips, so a launch with
-    graphs on stops here in one line (checked again with every other setting once the scheduler exists)."""
-    problem = graphs_problem()
+    """Before the model runner captures graphs: the masking modes' hooks run in Python, which graph replay skips, and
+    ragged mode's extend lays each prompt out in Python; a launch with graphs on where its mode cannot run them stops
+    here in one line (checked again with every other setting once the scheduler exists)."""
+    problem = graphs_problem(_CONFIG["mode"])
     if problem is not None:
         raise ConfigError(f"KVzap ({_CONFIG['mode']} mode) cannot run on this SGLang server: {problem} "
                           "(stopped before the capture)")

@@ -3,7 +3,7 @@
 Design: docs/ragged-kv.md. In short: K/V live in a ``RaggedStore`` (one-head entries, one pool for all layers,
 heads and requests, ``N · layers · kv_heads`` entries for SGLang's ``N``-token budget), not in SGLang's
 buffers; SGLang keeps its logical view (slot ids, ``req_to_token``, ``seq_lens``, positions), but its slots
-carry no K/V. Attach points, all SGLang extension points:
+carry no K/V. Attach points, all SGLang extension points (the pool's in ``ragged_pool.py``):
 
 - AROUND ``SRTPlatform.get_kv_pool_cls``: SGLang's pool becomes a placeholder subclass of
   ``NoOpMHATokenToKVPool`` (no dense K/V buffers are allocated);
@@ -12,7 +12,9 @@ carry no K/V. Attach points, all SGLang extension points:
   kv_heads)``: admission control in dense-token units) and whose logical slot ids grow on demand, so the
   requests admitted follow the memory KVzap freed with no ceiling of ours; it owns the store;
 - ``register_attention_backend("kvzap_ragged")``: writes each forward's new K/V into the store and attends per
-  head, one call per layer for the batch (``kernels.ragged_attention``); its constructor attaches an aux cache
+  head, one call per layer for the batch (``kernels.ragged_attention``; on CUDA, decode goes through SGLang's decode
+  kernel over buffers laid out before the forward, which SGLang's decode CUDA graphs capture and replay:
+  ``ragged_decode.py``); its constructor attaches an aux cache
   to SGLang's request pool (``ReqToTokenPool.attach_aux_cache``), which appends each step's entries on the host
   side before the forward and gives a row's entries back when SGLang releases the row.
 
@@ -32,22 +34,15 @@ from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
+from kvzap_export.integrations.sglang.ragged_decode import ENV as ENV_DECODE
+from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_path, write_entries
+from kvzap_export.integrations.sglang.ragged_pool import built_store, current_store
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
-INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row held)
-INITIAL_ROWS = 16  # row tables to start with (doubled on demand, up to the requests held at once)
-_STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
 _STEP: "Step | None" = None  # the forward running now, laid out by the backend, read by the scoring hook
-
-
-def current_store() -> RaggedStore:
-    if _STORE is None:
-        raise ConfigError("the ragged KV store does not exist in this process: SGLang's pool was not built through "
-                          "the ragged mode's hooks (is KVZAP_MODE=ragged set in every SGLang process?)")
-    return _STORE
 
 
 @dataclass
@@ -93,10 +88,14 @@ class StoreRows:
         new = self.store.append([r for r, _ in grow], [n for _, n in grow])
         self.plan = (rows, counts, targets, new)
 
-    def take_plan(self, seq_lens: list[int]):
+    def take_plan(self, seq_lens: list[int], padded: bool = False):
         """The rows, new counts and new entries of the forward about to run (laid out by ``alloc_to_lengths`` for
-        it), once. ``seq_lens``: the forward's lengths (host); a missing plan or other lengths is our bug."""
+        it), once. ``seq_lens``: the forward's lengths (host); ``padded``: a replayed graph's batch, whose rows past
+        the requests are SGLang's padding (only the first ``len(rows)`` are compared). A missing plan or other
+        lengths is our bug."""
         plan, self.plan = self.plan, None
+        if plan is not None and padded and len(seq_lens) >= len(plan[2]):
+            seq_lens = seq_lens[: len(plan[2])]
         if plan is None or plan[2] != seq_lens:
             raise RuntimeError(f"ragged store: the forward's lengths {seq_lens} were not laid out before it "
                                f"({'no plan' if plan is None else plan[2]})")
@@ -188,7 +187,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         store.decide_decode(decoding, p.threshold, p.window, p.sink)
 
     def pool_readings(self, idx: int | None) -> dict:
-        store = _STORE
+        store = built_store()
         if store is None:
             return {}
         if idx is None:  # read from the free list
@@ -198,95 +197,16 @@ class RaggedKVzapSGLang(KVzapSGLang):
 
     def extra_bytes(self) -> dict:
         """The per-head pool: K, V, scores, row tables, free list (no slot-indexed score buffer in this mode)."""
-        return {f"ragged_{name}": size for name, size in current_store().nbytes().items()} if _STORE is not None else {}
+        return {f"ragged_{name}": size for name, size in current_store().nbytes().items()} if built_store() is not None else {}
 
     def decided(self, idx: int) -> dict:
         """What the decisions left in row ``idx``: the lengths of its row table (``pool_readings`` reads the pool's
         free list, a separate count)."""
-        store = _STORE
+        store = built_store()
         if store is None or idx not in self.choices:
             return {}
         return {"decoding": self.choices[idx] == "decoding", "logical_length": store.logical.get(idx, 0),
                 "decided_entries": store.row_held(idx)}
-
-
-def placeholder_pool_class():
-    """SGLang's ``NoOpMHATokenToKVPool`` (placeholder buffers, no dense K/V) reporting the store's bytes."""
-    base = sglang_module("sglang.srt.mem_cache.memory_pool").NoOpMHATokenToKVPool
-
-    class KVzapRaggedPlaceholderPool(base):
-        def _finalize_allocation_log(self, num_tokens: int):
-            self.mem_usage = 0.0  # set to the store's size when the allocator builds it
-            log.info("KVzap ragged mode: SGLang's dense K/V buffers are not allocated (%d logical tokens)", num_tokens)
-
-    return KVzapRaggedPlaceholderPool
-
-
-def allocator_class():
-    base = sglang_module("sglang.srt.mem_cache.allocator.token").TokenToKVPoolAllocator
-
-    class KVzapRaggedAllocator(base):
-        """Logical slot ids as SGLang's allocator hands them out, grown on demand; availability counted in the
-        store's free entries, in dense tokens."""
-
-        store: RaggedStore | None = None
-        entries_per_token = 1
-
-        def logical_available(self) -> int:
-            """Free logical slot ids (SGLang's own free list)."""
-            return super().available_size()
-
-        def available_size(self):
-            if self.store is None:
-                return super().available_size()
-            return self.store.available // self.entries_per_token
-
-        def alloc(self, need_size: int):
-            short = need_size - len(self.free_pages)
-            if short > 0 and self.store is not None:
-                # Slot ids carry no K/V here: more of them cost 8 bytes each. The store's free entries are what
-                # admission checked (available_size), so the logical count is never the limit.
-                grow = max(short, self.size // 2)
-                extra = torch.arange(self.size + 1, self.size + grow + 1, dtype=torch.int64, device=self.device)
-                self.free_pages = torch.cat([self.free_pages, extra])
-                self.size += grow
-            return super().alloc(need_size)
-
-    return KVzapRaggedAllocator
-
-
-def _pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):
-    if kind == "mha":
-        return placeholder_pool_class()
-    return original_fn(platform, *args, kind=kind, **kwargs)
-
-
-def _beam_hook(original_fn, coordinator, req, *args, **kwargs):
-    """Beam requests are refused (a 400 for that request): beams copy and remap each other's slot rows, which
-    per-head rows do not follow. SGLang aborts the request with the string this returns."""
-    return ("KVzap's ragged mode does not serve beam search: beams share and remap their KV rows, which the "
-            "per-head store does not follow; use KVZAP_MODE=mask or evict for beam requests")
-
-
-def _allocator_hook(original_fn, configurator, *args, **kwargs):
-    global _STORE
-    pool = kwargs.get("token_to_kv_pool")
-    if pool is None or not type(pool).__name__ == "KVzapRaggedPlaceholderPool":
-        raise ConfigError("KVzap ragged mode: SGLang built a KV pool other than the ragged placeholder (this model's "
-                          "attention is not plain MHA/GQA, or another plugin replaced the pool); use KVZAP_MODE=mask")
-    tokens = int(kwargs["sizes"].max_total_num_tokens)
-    layers, heads = int(pool.layer_num), int(pool.head_num)
-    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim),
-                        rows=INITIAL_ROWS, width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
-    allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
-    allocator.store, allocator.entries_per_token = store, layers * heads
-    allocator.dense_tokens = tokens
-    pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
-    _STORE = store
-    log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with scores "
-             "and row tables; logical slot ids grow with what KVzap frees", store.capacity, tokens, layers, heads,
-             pool.mem_usage)
-    return allocator
 
 
 def backend_class():
@@ -305,18 +225,72 @@ def backend_class():
             if requests._aux_cache is None:
                 requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens))
             self.rows = requests._aux_cache
-            self.step: Step | None = None
+            self.step: Step | BufferedDecode | None = None
             self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
+            try:
+                self.decode_path = decode_path(self.store.device)
+            except ConfigError as exc:
+                raise SystemExit(f"kvzap-export: {exc}") from None
+            self.max_requests = int(requests.size)
+            self.group = int(model_runner.model_config.num_attention_heads) // self.store.num_kv_heads  # TP 1 here
+            self.decode_buffers: DecodeBuffers | None = None  # the flattened path's, made at the first need
+
+        def _buffers(self, graph_batch: int = 0) -> DecodeBuffers:
+            """The decode buffers, made at the first need for SGLang's request rows; their partial results sized for
+            ``graph_batch`` requests (the largest captured batch; 0 without graphs: eager steps allocate their own)."""
+            if self.decode_buffers is None:
+                # 32 splits per row on a GPU (SGLang's default); on the CPU the flattened path runs SGLang's kernel
+                # in Triton's interpreter (tests only), where each split is a Python loop: 2
+                splits = 32 if self.store.device.type == "cuda" else 2
+                self.decode_buffers = DecodeBuffers(self.store, max(graph_batch, self.max_requests), self.group,
+                                                    self.store.k.dtype, max_kv_splits=splits,
+                                                    logits_batch=max(graph_batch, 1))
+                log.info("KVzap ragged mode: decode through SGLang's decode kernel, %.1f MB of step buffers for %d "
+                         "requests", self.decode_buffers.nbytes() / 2**20, self.decode_buffers.max_batch)
+            return self.decode_buffers
+
+        # ---- CUDA graphs (decode): SGLang's DecodeCudaGraphRunner calls these ----
+        def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+            if self.decode_path != "flattened":
+                raise SystemExit(f"kvzap-export: KVzap ragged mode captures decode graphs only on its flattened path "
+                                 f"({ENV_DECODE}={self.decode_path}); add --cuda-graph-backend-decode disabled")
+            self._buffers(max_bs)
+
+        def get_cuda_graph_seq_len_fill_value(self):
+            return 1
+
+        @counted("forward")
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+            """Before a decode graph's capture (a batch of padding) or replay (the step's requests, padded)."""
+            global _STEP
+            mode = forward_batch.forward_mode
+            if not mode.is_decode():
+                raise SystemExit(f"kvzap-export: KVzap ragged mode runs plain decode in CUDA graphs only, SGLang asked "
+                                 f"for {mode.name} (speculative decoding and prefill graphs are not supported: drop "
+                                 "--speculative-algorithm, add --cuda-graph-backend-prefill disabled)")
+            if not in_capture and self.store.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # SGLang's metadata glue graph (SGLANG_ENABLE_METADATA_GLUE_GRAPH=1) would freeze this Python layout
+                # (the step's slots, new ids and widths) into a graph; refusing makes it fall back to eager preps.
+                raise RuntimeError("KVzap ragged mode: the per-step decode layout cannot be captured in a graph")
+            buffers = self._buffers()
+            if in_capture:
+                self.step = _STEP = buffers.capture_layout(forward_batch.batch_size)
+                return
+            rows, _, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()], padded=True)
+            self.step = _STEP = buffers.layout(rows, new_ids, forward_batch.batch_size)
 
         @counted("forward")
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             mode = forward_batch.forward_mode
+            global _STEP
             if not (mode.is_extend() or mode.is_decode()):
-                self.step = None
+                self.step = _STEP = None
                 return
             rows, counts, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()])
-            global _STEP
+            if mode.is_decode() and self.decode_path == "flattened":
+                self.step = _STEP = self._buffers().layout(rows, new_ids)
+                return
             self.step = _STEP = build_step(self.store, rows, counts, new_ids, mode.is_extend())
             if mode.is_decode() and not (self.store.device.type == "cuda" and _triton_decode()):
                 need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
@@ -331,9 +305,7 @@ def backend_class():
 
         def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             """k, v: [T, kv_heads, D] of this forward's tokens -> their entries, one write per layer."""
-            ids = self.step.new_ids[layer].T.reshape(-1)  # [T * H] in (token, head) order
-            self.store.k.index_copy_(0, ids, k.reshape(ids.shape[0], -1).to(self.store.k.dtype))
-            self.store.v.index_copy_(0, ids, v.reshape(ids.shape[0], -1).to(self.store.v.dtype))
+            write_entries(self.store, self.step.new_ids[layer], k, v)
 
         @counted("forward")
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -363,6 +335,10 @@ def backend_class():
             self._check_save(save_kv_cache, k)
             step, lid = self.step, layer.layer_id
             self._write(lid, k.reshape(-1, hk, d), v.reshape(-1, hk, dv))
+            if isinstance(step, BufferedDecode):  # the flattened path: fixed buffers only (graph-safe)
+                q3 = q.reshape(-1, hq, d)
+                out = torch.empty(q3.shape[0], hq, dv, dtype=q3.dtype, device=q3.device)
+                return self.decode_buffers.attend(lid, q3, layer.scaling, out).reshape(-1, hq * dv)
             ids = self.store.layer_ids(step.slots, lid, step.widths[lid])
             out = decode_attention(q.reshape(-1, hq, d), self.store.k, self.store.v, ids, step.lengths[:, lid],
                                    layer.scaling, self.workspace)
@@ -380,12 +356,14 @@ def _triton_decode() -> bool:
 def register(register_hook, kind, one_line) -> None:
     """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process (``one_line``: the
     plugin's wrapper that turns a ``KvzapError`` into a one-line exit)."""
+    from kvzap_export.integrations.sglang import ragged_pool
+
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
-    register_hook(api("SRTPlatform.get_kv_pool_cls").target, _pool_class_hook, kind.AROUND)
-    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target, one_line(_allocator_hook),
-                  kind.AROUND)
-    register_hook(api("BeamCoordinator.validate_and_init").target, _beam_hook, kind.AROUND)
+    register_hook(api("SRTPlatform.get_kv_pool_cls").target, ragged_pool.pool_class_hook, kind.AROUND)
+    register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target,
+                  one_line(ragged_pool.allocator_hook), kind.AROUND)
+    register_hook(api("BeamCoordinator.validate_and_init").target, ragged_pool.beam_hook, kind.AROUND)
     backend = backend_class()
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

@@ -16,14 +16,41 @@ from kvzap_export.integrations.sglang.api import sglang_module
 
 GRAPHS_PROBLEM = ("graphs are captured (add --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled: "
                   "graph replay skips KVzap's Python hooks)")
+PREFILL_GRAPHS_PROBLEM = ("prefill graphs are captured (add --cuda-graph-backend-prefill disabled: ragged mode lays out "
+                          "each prompt in Python, which a prefill graph would freeze; its decode graphs are supported)")
 
 
-def graphs_problem() -> str | None:
-    """The graph setting's problem, read from SGLang's graph configuration: callable before the model runner captures
-    (``plugin.py`` checks it in a BEFORE hook on ``ModelRunner.init_cuda_graphs``, so a launch with graphs on stops in
-    one line instead of dying inside the capture)."""
-    disabled = sglang_module("sglang.srt.model_executor.cuda_graph_config").cuda_graph_fully_disabled()
-    return None if disabled else GRAPHS_PROBLEM
+def graph_phases() -> tuple[bool, bool]:
+    """(decode, prefill): whether SGLang's published graph configuration captures that phase."""
+    config = sglang_module("sglang.srt.model_executor.cuda_graph_config")
+    return (not config.check_cuda_graph_backend("decode", "disabled"),
+            not config.check_cuda_graph_backend("prefill", "disabled"))
+
+
+def torch_compile() -> bool:
+    """``--enable-torch-compile``: on the CPU engine it is what makes SGLang capture (CPU) graphs."""
+    return bool(sglang_module("sglang.srt.runtime_context").get_exec().graph.enable_torch_compile)
+
+
+def graphs_problem(mode: str) -> str | None:
+    """The graph settings' problem for ``mode``, read from SGLang's graph configuration: callable before the model runner
+    captures (``plugin.py`` checks it in a BEFORE hook on ``ModelRunner.init_cuda_graphs``, so a launch that needs
+    graphs off stops in one line instead of dying inside the capture). Ragged mode runs its decode in CUDA graphs
+    (its backend lays each step out in fixed buffers: ``ragged_decode.py``); the masking modes run none."""
+    decode, prefill = graph_phases()
+    if mode != "ragged":
+        return GRAPHS_PROBLEM if decode or prefill else None
+    from kvzap_export.integrations.sglang.ragged_decode import ENV, graphs_allowed
+
+    if prefill:
+        return PREFILL_GRAPHS_PROBLEM
+    if torch_compile():
+        return ("torch.compile is on (drop --enable-torch-compile: it traces ragged mode's Python into graphs, and on "
+                "the CPU engine makes SGLang capture CPU graphs the backend does not implement)")
+    if decode and not graphs_allowed():
+        return (f"decode graphs are captured with {ENV}=torch (add --cuda-graph-backend-decode disabled, or unset "
+                f"{ENV}: only the flattened decode path runs in graphs)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -37,7 +64,7 @@ class ServerSetup:
     is prepared (no overlap). Every mode needs every layer in this process (no pipeline parallelism), ranks
     that schedule the same requests (no attention data parallelism), a cache that stays on this server (no
     prefill/decode disaggregation, whose transfers read logical lengths), Python hooks that run at every
-    step (no speculative decoding, no CUDA or CPU graphs) and decode rows that go through the decode path
+    step (no speculative decoding; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
     (no mixed chunks: the masking backends mask decode, not extend).
     """
 
@@ -56,7 +83,8 @@ class ServerSetup:
     kv_slots: int  # slot ids the allocator hands out (pool or allocator size, the larger, + padding page)
     prefill_backend: str = ""  # the attention backends in effect (``--attention-backend`` unless overridden)
     decode_backend: str = ""
-    graphs: bool = False  # CUDA (or CPU) graphs captured for some phase
+    decode_graphs: bool = False  # CUDA graphs captured for decode
+    prefill_graphs: bool = False  # CUDA graphs captured for prefill
     tp_size: int = 1
 
     @classmethod
@@ -66,7 +94,7 @@ class ServerSetup:
         allocator = scheduler.token_to_kv_pool_allocator
         kv = allocator.get_kvcache()
         kernel = context.get_exec().kernel
-        graphs = graphs_problem() is not None
+        decode_graphs, prefill_graphs = graph_phases()
         backend = kernel.attention_backend or ""
         return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
@@ -76,7 +104,8 @@ class ServerSetup:
                    disaggregation=str(context.get_disagg().disaggregation_mode), kv_dtype=kv.dtype,
                    kv_quantized=bool(getattr(kv, "is_quantized_kv_cache", False)), kv_slots=int(max(kv.size, allocator.size) + kv.page_size),
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
-                   decode_backend=str(kernel.decode_attention_backend or backend), graphs=graphs,
+                   decode_backend=str(kernel.decode_attention_backend or backend), decode_graphs=decode_graphs,
+                   prefill_graphs=prefill_graphs,
                    tp_size=int(parallel.tp_size))
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
@@ -90,7 +119,9 @@ class ServerSetup:
             out.append("the radix cache is on (add --disable-radix-cache)")
         if self.overlap:
             out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
-        if self.graphs:
+        if mode == "ragged" and self.prefill_graphs:
+            out.append(PREFILL_GRAPHS_PROBLEM)
+        elif mode != "ragged" and (self.decode_graphs or self.prefill_graphs):
             out.append(GRAPHS_PROBLEM)
         if self.speculative:
             out.append("speculative decoding is on (drop --speculative-algorithm)")

@@ -120,6 +120,20 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
         assert result["freed_fraction"] > 0.3
 
 
+def test_ragged_mode_through_sglangs_decode_kernel_and_the_step_buffers(qwen3, capsys, monkeypatch):
+    """The GPU's decode path on the CPU engine (``KVZAP_RAGGED_DECODE=flattened``): each step laid out in the buffers a
+    CUDA graph would replay (``ragged_decode.DecodeBuffers``), attention through SGLang's own decode kernel (its
+    installed module, in Triton's interpreter here). Same tokens as kvpress, same entries freed as the torch path."""
+    model, bundle = qwen3
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code, result = engine_level(capsys, model, bundle, "ragged")
+    assert code == 0, why(result)
+    check_against_kvpress(result, reference_prompts(bundle))
+    for row in result["prompts"]:
+        assert row["kv_held"] == row["decided_entries"] < row["kv_dense"]
+
+
 def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
     """The other mask backend (flex attention, eager on the CPU), with prompts prefilled in 64-token chunks
     (decisions wait for the last chunk, so the tokens are still kvpress's)."""
@@ -143,8 +157,11 @@ def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
      ["the radix cache is on (add --disable-radix-cache)", "(drop --enable-mixed-chunk)",
       "the decode attention backend is torch_native (use --attention-backend kvzap_ragged)",
       "the prefill attention backend is torch_native"]),
-    # graphs on: refused by the BEFORE hook on ModelRunner.init_cuda_graphs, before any capture
-    ("ragged", {"cuda_graph_backend_decode": "full"}, ["graphs are captured (add --cuda-graph-backend-decode disabled", "(stopped before the capture)"]),
+    # graphs a mode cannot run: refused by the BEFORE hook on ModelRunner.init_cuda_graphs, before any capture
+    ("ragged", {"cuda_graph_backend_prefill": "breakable"},
+     ["prefill graphs are captured (add --cuda-graph-backend-prefill disabled", "(stopped before the capture)"]),
+    ("mask", {"cuda_graph_backend_decode": "full"},
+     ["graphs are captured (add --cuda-graph-backend-decode disabled", "(stopped before the capture)"]),
 ])
 def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, named):
     from kvzap_export.bundle.manifest import read_manifest

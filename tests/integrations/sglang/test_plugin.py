@@ -105,24 +105,41 @@ def test_plugin_without_sglang_stops_with_one_line(clean, monkeypatch, tmp_path)
     assert "sglang" not in sys.modules and plugin._CONFIG is None
 
 
-@pytest.mark.parametrize("disabled", [True, False])
-def test_graphs_on_stop_the_launch_before_the_capture_in_one_line(clean, monkeypatch, disabled):
+@pytest.mark.parametrize("mode, decode, prefill, compile_, path, refused", [
+    ("ragged", False, False, False, "", None), ("ragged", True, False, False, "", None),  # ragged decode runs in graphs
+    ("ragged", True, False, False, "flattened", None),
+    ("ragged", True, True, False, "", "prefill graphs are captured (add --cuda-graph-backend-prefill disabled"),
+    ("ragged", False, True, False, "", "prefill graphs are captured (add --cuda-graph-backend-prefill disabled"),
+    ("ragged", False, False, True, "", "torch.compile is on (drop --enable-torch-compile"),
+    ("ragged", True, False, False, "torch", "decode graphs are captured with KVZAP_RAGGED_DECODE=torch (add "
+                                            "--cuda-graph-backend-decode disabled"),
+    ("ragged", False, False, False, "torch", None),
+    ("mask", False, False, False, "", None),
+    ("mask", True, False, False, "", "graphs are captured (add --cuda-graph-backend-decode disabled "
+                                     "--cuda-graph-backend-prefill disabled"),
+    ("evict", False, True, False, "", "graphs are captured (add --cuda-graph-backend-decode disabled"),
+])
+def test_graphs_a_mode_cannot_run_stop_the_launch_before_the_capture_in_one_line(clean, monkeypatch, mode, decode,
+                                                                                  prefill, compile_, path, refused):
     """The check runs in a BEFORE hook on ``ModelRunner.init_cuda_graphs`` (it used to run once the scheduler existed,
-    after the capture, where a GPU launch would die inside the capture with a traceback). SGLang's graph configuration
-    is stood in here; the hook's target is checked against SGLang 0.5.23 in test_api.py."""
+    after the capture, where a GPU launch would die inside the capture with a traceback). Ragged mode captures its
+    decode; the masking modes capture nothing. SGLang's graph configuration is stood in here (its function's name and
+    phase/backend strings are SGLang 0.5.23's, test_api.py checks the hook's target)."""
     from types import SimpleNamespace
 
     from kvzap_export.integrations.sglang import server_setup
 
-    config = SimpleNamespace(cuda_graph_fully_disabled=lambda: disabled)
+    on = {"decode": decode, "prefill": prefill}
+    config = SimpleNamespace(check_cuda_graph_backend=lambda phase, backend: backend == "disabled" and not on[phase],
+                             get_exec=lambda: SimpleNamespace(graph=SimpleNamespace(enable_torch_compile=compile_)))
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE", path)
     monkeypatch.setattr(server_setup, "sglang_module", lambda name: config)
-    monkeypatch.setattr(plugin, "_CONFIG", {"mode": "ragged"})
-    if disabled:
+    monkeypatch.setattr(plugin, "_CONFIG", {"mode": mode})
+    if refused is None:
         assert plugin._graphs_hook(object(), capture_decode_cuda_graph=True) is None
         return
     with pytest.raises(SystemExit) as info:
         plugin._graphs_hook(object(), capture_decode_cuda_graph=True)
     message = str(info.value)
-    assert message.startswith("kvzap-export: KVzap (ragged mode) cannot run on this SGLang server: graphs are captured")
-    assert "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled" in message and "\n" not in message
-    assert message.endswith("(stopped before the capture)")
+    assert message.startswith(f"kvzap-export: KVzap ({mode} mode) cannot run on this SGLang server: {refused}")
+    assert "\n" not in message and message.endswith("(stopped before the capture)")

@@ -1,0 +1,118 @@
+"""Ragged decode through SGLang's decode kernel, in buffers allocated once: eager or replayed from a CUDA graph.
+
+The ragged backend (``ragged.py``) runs a decode step this way on CUDA (``KVZAP_RAGGED_DECODE=flattened``, the
+default there; the CPU keeps the torch path). Before the forward, outside any graph (SGLang calls the backend's
+``init_forward_metadata_out_graph`` before each replay, ``init_forward_metadata`` on an eager step), ``layout``:
+
+- uploads the step's table slots (one host -> device copy, pinned and non-blocking) into ``slots`` [max_batch];
+- copies the step's new entry ids, which the aux cache took before the forward, into ``new_ids`` [L, H, max_batch];
+- lays out every layer's flattened rows from the store's row tables (``kernels.flattened_step``).
+
+Rows past the step's requests (SGLang pads a replayed batch to the captured size) hold nothing: slot -1, new ids
+the store's ``scratch`` row, so their K/V and score writes land where nothing reads and their attention is zeros.
+The forward itself (what a CUDA graph captures: each layer's K/V write, the scoring hook's score write, attention)
+reads only these buffers and the store's K/V/scores, whose data pointers never change: the row tables may grow
+(``RaggedStore._ensure``) between steps because only ``layout`` reads them. Nothing reads the device back.
+
+At capture (``capture_layout``) the batch is all padding: SGLang's capture batch is dummy rows (request row 0,
+lengths 1) that the store does not hold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvzap_export.errors import ConfigError, InputError
+from kvzap_export.integrations.ragged_store import RaggedStore, upload
+
+ENV = "KVZAP_RAGGED_DECODE"
+PATHS = ("flattened", "torch")
+
+
+def decode_path(device: torch.device) -> str:
+    """``flattened`` (SGLang's decode kernel over these buffers; the default on CUDA) or ``torch`` (the padded gather of
+    ``kernels.ragged_attention``, no graphs; the default elsewhere). ``$KVZAP_RAGGED_DECODE`` overrides (tests run the
+    flattened path on the CPU engine, the kernel in Triton's interpreter)."""
+    chosen = os.environ.get(ENV, "").strip().lower()
+    if chosen and chosen not in PATHS:
+        raise ConfigError(f"{ENV}={chosen!r}: use one of {list(PATHS)}")
+    return chosen or ("flattened" if device.type == "cuda" else "torch")
+
+
+def graphs_allowed() -> bool:
+    """Whether the decode path the environment asks for can run in CUDA graphs (the torch path cannot)."""
+    return os.environ.get(ENV, "").strip().lower() != "torch"
+
+
+@dataclass
+class BufferedDecode:
+    """What one decode forward reads besides the store: ``new_ids`` int64 [L, H, B] (a view of the buffers; B the
+    step's padded batch). The scoring hook writes each layer's scores at ``new_ids[layer]``."""
+
+    new_ids: torch.Tensor
+
+
+def write_entries(store: RaggedStore, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One layer's new K/V into the store: ids int64 [H, T] (the layer's new entries), k [T, H, D], v [T, H, Dv] in
+    token order. One write each, graph-safe (no host read, ids from a fixed buffer or the step's plan)."""
+    flat = ids.T.reshape(-1)  # [T * H] in (token, head) order
+    store.k.index_copy_(0, flat, k.reshape(flat.shape[0], -1).to(store.k.dtype))
+    store.v.index_copy_(0, flat, v.reshape(flat.shape[0], -1).to(store.v.dtype))
+
+
+class DecodeBuffers:
+    """A decode step's device state for at most ``max_batch`` requests (module docstring). ``group``: query heads per
+    KV head; ``dtype``: the queries'. ``kernels`` / ``use_triton`` / ``max_kv_splits`` / ``logits_batch``: passed to
+    ``FlattenedStep``."""
+
+    def __init__(self, store: RaggedStore, max_batch: int, group: int, dtype: torch.dtype, *, kernels=None,
+                 use_triton: bool | None = None, max_kv_splits: int = 32, logits_batch: int | None = None):
+        from kvzap_export.kernels.flattened_step import FlattenedStep
+
+        if max_batch <= 0:
+            raise InputError(f"DecodeBuffers: max_batch must be positive, got {max_batch}")
+        L, H, dev = store.num_layers, store.num_kv_heads, store.device
+        self.store, self.max_batch = store, max_batch
+        self.new_ids = torch.full((L, H, max_batch), store.scratch, dtype=torch.int64, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
+        self.flat = FlattenedStep(L, max_batch, H, group, store.head_dim, store.capacity, v_head_dim=store.v_head_dim,
+                                  dtype=dtype, device=dev, kernels=kernels, use_triton=use_triton,
+                                  max_kv_splits=max_kv_splits, logits_batch=logits_batch)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor a decode forward reads besides the store (their data pointers never change)."""
+        return {"new_ids": self.new_ids, "slots": self.slots, **{f"flat.{k}": v for k, v in self.flat.buffers().items()}}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+    def layout(self, rows: list[int], new_ids: torch.Tensor, batch: int | None = None) -> BufferedDecode:
+        """Lays out a decode step of the requests ``rows`` (the store's rows, in the forward's order; each appended one
+        token: ``new_ids`` int64 [L, H, len(rows)]), padded to ``batch`` rows (default: no padding)."""
+        n = len(rows)
+        batch = n if batch is None else batch
+        if not 0 < batch <= self.max_batch or n > batch:
+            raise InputError(f"DecodeBuffers.layout: {n} requests padded to {batch}, the buffers hold 1 to "
+                             f"{self.max_batch}")
+        if new_ids.shape != (self.store.num_layers, self.store.num_kv_heads, n):
+            raise InputError(f"DecodeBuffers.layout: new ids {list(new_ids.shape)} for {n} requests of one token each")
+        slots = torch.full((batch,), -1, dtype=torch.int64)
+        if n:
+            slots[:n] = self.store.slots_host(rows)
+        self.slots[:batch].copy_(upload(self.store.device, slots)[0])
+        self.new_ids[:, :, :n].copy_(new_ids)
+        self.new_ids[:, :, n:batch].fill_(self.store.scratch)
+        width = max(self.store.widths(rows)) if n else 0
+        self.flat.fill(self.store.ids, self.store.lengths, self.slots[:batch], width)
+        return BufferedDecode(self.new_ids[:, :, :batch])
+
+    def capture_layout(self, batch: int) -> BufferedDecode:
+        """A batch of ``batch`` padding rows (SGLang's capture batch)."""
+        return self.layout([], self.new_ids[:, :, :0], batch)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s attention of q [B, q_heads, D] (B: the laid-out batch) into ``out`` [B, q_heads, Dv]."""
+        return self.flat.attend(layer, q, self.store.k, self.store.v, scale, out)

@@ -1,0 +1,112 @@
+"""Ragged mode's KV pool in SGLang: a placeholder pool with no dense K/V, an allocator counted in the per-head store's
+free entries, and the store itself (this process's one ``RaggedStore``), built through SGLang's extension points
+(``ragged.py``'s docstring lists them; ``ragged.register`` installs these hooks)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvzap_export.errors import ConfigError
+from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.integrations.sglang.api import sglang_module
+
+log = logging.getLogger(__name__)
+
+INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row held)
+INITIAL_ROWS = 16  # row tables to start with (doubled on demand, up to the requests held at once)
+_STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
+
+
+def current_store() -> RaggedStore:
+    if _STORE is None:
+        raise ConfigError("the ragged KV store does not exist in this process: SGLang's pool was not built through "
+                          "the ragged mode's hooks (is KVZAP_MODE=ragged set in every SGLang process?)")
+    return _STORE
+
+
+def built_store() -> RaggedStore | None:
+    """This process's store, or None before SGLang built its pool (readings taken that early have nothing to read)."""
+    return _STORE
+
+
+def placeholder_pool_class():
+    """SGLang's ``NoOpMHATokenToKVPool`` (placeholder buffers, no dense K/V) reporting the store's bytes."""
+    base = sglang_module("sglang.srt.mem_cache.memory_pool").NoOpMHATokenToKVPool
+
+    class KVzapRaggedPlaceholderPool(base):
+        def _finalize_allocation_log(self, num_tokens: int):
+            self.mem_usage = 0.0  # set to the store's size when the allocator builds it
+            log.info("KVzap ragged mode: SGLang's dense K/V buffers are not allocated (%d logical tokens)", num_tokens)
+
+    return KVzapRaggedPlaceholderPool
+
+
+def allocator_class():
+    base = sglang_module("sglang.srt.mem_cache.allocator.token").TokenToKVPoolAllocator
+
+    class KVzapRaggedAllocator(base):
+        """Logical slot ids as SGLang's allocator hands them out, grown on demand; availability counted in the
+        store's free entries, in dense tokens."""
+
+        store: RaggedStore | None = None
+        entries_per_token = 1
+
+        def logical_available(self) -> int:
+            """Free logical slot ids (SGLang's own free list)."""
+            return super().available_size()
+
+        def available_size(self):
+            if self.store is None:
+                return super().available_size()
+            return self.store.available // self.entries_per_token
+
+        def alloc(self, need_size: int):
+            short = need_size - len(self.free_pages)
+            if short > 0 and self.store is not None:
+                # Slot ids carry no K/V here: more of them cost 8 bytes each. The store's free entries are what
+                # admission checked (available_size), so the logical count is never the limit.
+                grow = max(short, self.size // 2)
+                extra = torch.arange(self.size + 1, self.size + grow + 1, dtype=torch.int64, device=self.device)
+                self.free_pages = torch.cat([self.free_pages, extra])
+                self.size += grow
+            return super().alloc(need_size)
+
+    return KVzapRaggedAllocator
+
+
+def pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):
+    if kind == "mha":
+        return placeholder_pool_class()
+    return original_fn(platform, *args, kind=kind, **kwargs)
+
+
+def beam_hook(original_fn, coordinator, req, *args, **kwargs):
+    """Beam requests are refused (a 400 for that request): beams copy and remap each other's slot rows, which
+    per-head rows do not follow. SGLang aborts the request with the string this returns."""
+    return ("KVzap's ragged mode does not serve beam search: beams share and remap their KV rows, which the "
+            "per-head store does not follow; use KVZAP_MODE=mask or evict for beam requests")
+
+
+def allocator_hook(original_fn, configurator, *args, **kwargs):
+    global _STORE
+    pool = kwargs.get("token_to_kv_pool")
+    if pool is None or not type(pool).__name__ == "KVzapRaggedPlaceholderPool":
+        raise ConfigError("KVzap ragged mode: SGLang built a KV pool other than the ragged placeholder (this model's "
+                          "attention is not plain MHA/GQA, or another plugin replaced the pool); use KVZAP_MODE=mask")
+    tokens = int(kwargs["sizes"].max_total_num_tokens)
+    layers, heads = int(pool.layer_num), int(pool.head_num)
+    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim),
+                        rows=INITIAL_ROWS, width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
+    allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
+    allocator.store, allocator.entries_per_token = store, layers * heads
+    allocator.dense_tokens = tokens
+    pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
+    _STORE = store
+    # SGLang checks at idle that the allocator's free count equals its max_total_num_tokens, so the store holds the
+    # dense count of entries; its scores, free list and row tables (and the decode buffers on a GPU) come on top
+    log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with scores "
+             "and row tables, outside SGLang's K/V budget; logical slot ids grow with what KVzap frees",
+             store.capacity, tokens, layers, heads, pool.mem_usage)
+    return allocator

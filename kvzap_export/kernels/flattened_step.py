@@ -1,0 +1,182 @@
+"""Every layer's flattened decode rows of one step, laid out once before the forward in buffers allocated once.
+
+The engine's ragged decode on CUDA (``integrations/sglang/ragged_decode.py``) attends, layer by layer, through
+SGLang's decode kernel (``flattened_attention.launch``): row ``s`` of a layer is one (request, KV head) with its
+query group. ``FlattenedStep`` lays out the rows of ALL layers at once, before the forward, from the store's row
+tables (``RaggedStore.ids`` [slots, L, H, W] and ``lengths`` [slots, L, H]), so that the forward itself (what a CUDA
+graph captures) only reads fixed buffers:
+
+- rows in (layer, request, head) order: with ``B`` requests this step (padded: a row whose slot is -1 holds
+  nothing), layer ``l``'s rows are ``l * B * H ... (l + 1) * B * H - 1``;
+- ``kv_indptr`` int32 [L * max_rows + 1]: the running sum of the rows' lengths over all layers, so layer ``l``'s
+  slice ``kv_indptr[l * R : (l + 1) * R + 1]`` (R = B * H) holds absolute offsets into the one ``kv_indices``;
+- ``kv_indices`` int64 [entries + 1]: each row's entry ids, in its order, copied from the row tables (the last
+  element is a discard slot the torch path writes padding to); int64 because SGLang's kernel computes the element
+  offset ``id * row_stride`` in the dtype of ``kv_indices`` (``flattened_attention``'s docstring);
+- ``num_kv_splits`` int32 [L * max_rows]: per layer, ``ceil(length / chunk)`` clamped to [1, max_kv_splits] with
+  ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
+- ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
+  for ``logits_batch`` requests (the largest captured batch: a graph's launches must read fixed buffers); a larger
+  (eager) step allocates its own per call, as SGLang's Triton backend does for eager steps.
+
+The copy of the ids reads only the entries held: a Triton kernel (one program per (row, block of 1024 columns);
+programs past a row's length return at once), or on the CPU (no Triton launch outside the interpreter) a torch
+scatter of the padded rows. Nothing reads the device back; ``fill`` allocates nothing on the Triton path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzap_export.errors import InputError
+from kvzap_export.kernels import sglang_kernels
+from kvzap_export.kernels.flattened_attention import launch
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+COPY_BLOCK = 1024  # row columns per program of the id copy
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_rows_kernel(table_ptr, lengths_ptr, indptr_ptr, slots_ptr, out_ptr, batch, heads, layers, table_width,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # (layer, request, head) of this step
+        start = tl.program_id(1) * BLOCK
+        n = tl.load(lengths_ptr + row)
+        if start < n:
+            h = row % heads
+            b = (row // heads) % batch
+            layer = row // (heads * batch)
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+            base = ((slot * layers + layer) * heads + h) * table_width
+            cols = start + tl.arange(0, BLOCK)
+            held = cols < n
+            ids = tl.load(table_ptr + base + cols, mask=held, other=0)
+            dst = tl.load(indptr_ptr + row).to(tl.int64) + cols
+            tl.store(out_ptr + dst, ids.to(tl.int64), mask=held)
+
+
+class FlattenedStep:
+    """The buffers and launches of one step's flattened decode over ``layers`` layers (module docstring).
+
+    ``max_batch`` requests of ``kv_heads`` heads, ``group`` query heads per KV head, head dims, ``entries``: the most
+    entry ids a step can hold over all its layers (the store's capacity); ``logits_batch``: requests the partial-result
+    buffers hold (default ``max_batch``). ``use_triton``: the id copy's path (default: on CUDA tensors)."""
+
+    def __init__(self, layers: int, max_batch: int, kv_heads: int, group: int, head_dim: int, entries: int, *,
+                 v_head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16, device="cuda",
+                 max_kv_splits: int = 32, target_programs: int | None = None, min_chunk: int = 64,
+                 kernels: sglang_kernels.SGLangKernels | None = None, kernel_path=None, use_triton: bool | None = None,
+                 logits_batch: int | None = None):
+        if min(layers, max_batch, kv_heads, group, head_dim, entries, max_kv_splits, min_chunk) <= 0:
+            raise InputError(f"FlattenedStep needs positive sizes, got layers {layers}, batch {max_batch}, kv_heads "
+                             f"{kv_heads}, group {group}, head_dim {head_dim}, entries {entries}")
+        if entries + (target_programs or 2**16) >= 2**31 - 1:  # int32 offsets, and a layer total + target_programs
+            raise InputError(f"FlattenedStep: {entries} entries do not fit the kernel's int32 kv_indptr")
+        self.kernels = kernels if kernels is not None else sglang_kernels.load(kernel_path)
+        self.layers, self.max_batch, self.kv_heads, self.group = layers, max_batch, kv_heads, group
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim or head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.max_kv_splits, self.min_chunk = max_kv_splits, min_chunk
+        if target_programs is None:
+            cores = sglang_kernels.get_device_core_count(self.device.index or 0) if self.device.type == "cuda" else 0
+            target_programs = 32 * cores if cores > 0 else 256
+        self.target_programs = target_programs
+        self.use_triton = (self.device.type == "cuda") if use_triton is None else use_triton
+        if self.use_triton and triton is None:
+            raise InputError("FlattenedStep: the id copy's Triton kernel needs triton (pip install triton)")
+        logits_batch = max_batch if logits_batch is None else min(logits_batch, max_batch)
+        rows, all_rows, dev = logits_batch * kv_heads, layers * max_batch * kv_heads, self.device
+        self.kv_indptr = torch.zeros(all_rows + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(entries + 1, dtype=torch.int64, device=dev)
+        self.num_kv_splits = torch.ones(all_rows, dtype=torch.int32, device=dev)
+        self.empty = torch.ones(all_rows, dtype=torch.bool, device=dev)
+        self.attn_logits = torch.zeros(rows, group, max_kv_splits, self.v_head_dim, dtype=torch.float32, device=dev)
+        self.attn_lse = torch.zeros(rows, group, max_kv_splits, dtype=torch.float32, device=dev)
+        self._q = torch.zeros(max_batch * kv_heads, group, head_dim, dtype=dtype, device=dev)  # queries not viewable
+        self._lens = torch.zeros(all_rows, dtype=torch.int32, device=dev)
+        self._gathered = torch.zeros(max_batch, layers, kv_heads, dtype=torch.int32, device=dev)
+        self._valid = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self._safe = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._chunk = torch.zeros(layers, dtype=torch.int32, device=dev)
+        self.batch = 0
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor this instance allocated (their data pointers never change)."""
+        return {"kv_indptr": self.kv_indptr, "kv_indices": self.kv_indices, "num_kv_splits": self.num_kv_splits,
+                "empty": self.empty, "attn_logits": self.attn_logits, "attn_lse": self.attn_lse, "q": self._q,
+                "lens": self._lens, "gathered": self._gathered, "valid": self._valid, "safe": self._safe,
+                "chunk": self._chunk}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+    def fill(self, table: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, width: int) -> None:
+        """Lays out a step of ``B = len(slots)`` requests from the row tables: table int32 [S, L, H, W'], lengths int32
+        [S, L, H], slots int64 [B] on the device (-1: a padding row, which holds nothing); ``width``: at least the
+        longest row of these requests (host; the torch path pads to it)."""
+        L, H = self.layers, self.kv_heads
+        B = slots.shape[0]
+        if table.dim() != 4 or tuple(table.shape[1:3]) != (L, H) or tuple(lengths.shape[1:]) != (L, H):
+            raise InputError(f"FlattenedStep.fill: tables [S, {L}, {H}, W] and [S, {L}, {H}], got {list(table.shape)} "
+                             f"and {list(lengths.shape)}")
+        if B > self.max_batch or B == 0:
+            raise InputError(f"FlattenedStep.fill: {B} requests, the buffers hold 1 to {self.max_batch}")
+        width = min(int(width), table.shape[-1])
+        R, n = B * H, L * B * H
+        self.batch = B
+        valid, safe, gathered = self._valid[:B], self._safe[:B], self._gathered[:B]
+        torch.ge(slots, 0, out=valid)
+        torch.clamp(slots, min=0, out=safe)
+        torch.index_select(lengths, 0, safe, out=gathered)
+        gathered.mul_(valid[:, None, None])
+        lens = self._lens[:n]
+        lens.view(L, B, H).copy_(gathered.permute(1, 0, 2))
+        torch.cumsum(lens, 0, dtype=torch.int32, out=self.kv_indptr[1: n + 1])
+        torch.eq(lens, 0, out=self.empty[:n])
+        if width > 0:
+            if self.use_triton:
+                grid = (n, triton.cdiv(width, COPY_BLOCK))
+                _copy_rows_kernel[grid](table, lens, self.kv_indptr, safe, self.kv_indices, B, H, L, table.stride(2),
+                                        BLOCK=COPY_BLOCK)
+            else:
+                self._copy_rows_torch(table, safe, lens, width, B)
+        # per layer: chunk = max(min_chunk, ceil(total / target_programs)); splits = clamp(ceil(len / chunk), 1, S)
+        chunk = self._chunk
+        torch.sub(self.kv_indptr[R: n + 1: R], self.kv_indptr[0: n: R], out=chunk)
+        chunk.add_(self.target_programs - 1).div_(self.target_programs, rounding_mode="floor").clamp_(min=self.min_chunk)
+        splits = self.num_kv_splits[:n].view(L, R)
+        torch.add(lens.view(L, R), chunk[:, None], out=splits)
+        splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.max_kv_splits)
+
+    def _copy_rows_torch(self, table, safe, lens, width, B) -> None:
+        """The id copy without Triton: the padded rows [L, B, H, width] scattered, padding to the discard slot."""
+        L, H = self.layers, self.kv_heads
+        rows = table.index_select(0, safe)[..., :width].permute(1, 0, 2, 3).reshape(L * B * H, width)
+        columns = torch.arange(width, device=self.device)
+        held = columns < lens[:, None]
+        dest = torch.where(held, self.kv_indptr[: L * B * H, None].to(torch.int64) + columns, self.kv_indices.shape[0] - 1)
+        self.kv_indices.index_put_((dest.reshape(-1),), rows.reshape(-1).to(torch.int64))
+
+    def attend(self, layer: int, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float,
+               out: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s attention for the filled step: q [B, kv_heads * group, D] (B = the filled batch), stores
+        [E, D] / [E, Dv]; ``out`` [B, q_heads, Dv] contiguous. Returns out."""
+        R = self.batch * self.kv_heads
+        if not 0 <= layer < self.layers:
+            raise InputError(f"FlattenedStep.attend: layer {layer} of {self.layers}")
+        first = layer * R
+        logits, lse = self.attn_logits, self.attn_lse
+        if R > logits.shape[0]:  # an eager step past the graphs' largest batch: its own partial results
+            logits = logits.new_empty(R, *logits.shape[1:])
+            lse = lse.new_empty(R, *lse.shape[1:])
+        return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
+                      head_dim=self.head_dim, v_head_dim=self.v_head_dim,
+                      kv_indptr=self.kv_indptr[first: first + R + 1], kv_indices=self.kv_indices,
+                      num_kv_splits=self.num_kv_splits[first: first + R], attn_logits=logits, attn_lse=lse,
+                      empty=self.empty[first: first + R], spare_q=self._q, out=out)

@@ -1,0 +1,183 @@
+"""Ragged decode in buffers allocated once (``integrations/sglang/ragged_decode.py``): what a CUDA graph of the decode
+forward reads keeps its data pointer, and a step's host<->device transfers stay 0 inside the forward.
+
+The steps here run the sequence the ragged backend runs around SGLang's forward (``ragged.py``): the aux cache's
+layout (``StoreRows.alloc_to_lengths`` / ``take_plan``), the backend's ``DecodeBuffers.layout`` before the forward,
+per layer the K/V write (``write_entries``), the scoring hook's score write and the attention, then the step end's
+decisions. SGLang's decode kernel runs in Triton's CPU interpreter; each layer's output is compared with
+``ragged_attention.ragged_decode_attention``, the float32 formula, over the entries read back from the store's tables.
+The engine itself runs the same path in test_engine.py (``KVZAP_RAGGED_DECODE=flattened``). Without SGLang's kernel
+file the tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzap_export.integrations.host_reads import Transfers
+from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.integrations.sglang.ragged import StoreRows
+from kvzap_export.integrations.sglang.ragged_decode import DecodeBuffers, write_entries
+from kvzap_export.kernels.ragged_attention import ragged_decode_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+HEADS, GROUP, DIM, WINDOW = 2, 2, 16, 4
+
+
+@pytest.fixture(scope="module")
+def kernels(sglang_kernels):
+    return sglang_kernels
+
+
+class Run:
+    """A store of ``requests`` prompts already decided, with decode buffers for one more (padding) row."""
+
+    def __init__(self, kernels, requests: int, layers: int, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.g = torch.Generator().manual_seed(seed)
+        self.layers, self.device, self.dtype = layers, device, dtype
+        # small row tables (2 slots, 8 columns): growth happens during the steps
+        self.store = RaggedStore(40000, layers, HEADS, DIM, rows=2, width=8, dtype=dtype, device=device)
+        self.aux = StoreRows(self.store, 10**6)
+        # two splits per row: SGLang's kernel runs interpreted on the CPU (32 splits take minutes)
+        self.buffers = DecodeBuffers(self.store, requests + 1, GROUP, dtype, kernels=kernels, max_kv_splits=2)
+        self.rows = list(range(1, requests + 1))
+        self.lengths = [9 + 5 * r for r in self.rows]
+        _, _, ids = self.plan()
+        self.write(ids)
+        self.store.decide_prefill(self.rows, 0.0, WINDOW)
+
+    def plan(self):
+        self.aux.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(self.rows),
+                                  target_seq_lens_cpu=torch.tensor(self.lengths))
+        return self.aux.take_plan(self.lengths + [1], padded=True)  # SGLang's padding row: length 1
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.g).to(self.device, self.dtype)
+
+    def write(self, ids, layers=None):
+        """Random K/V and scores (the scoring hook's write) at the new entries ids [L, H, T]."""
+        for layer in range(self.layers) if layers is None else layers:
+            T = ids.shape[-1]
+            write_entries(self.store, ids[layer], self.randn(T, HEADS, DIM), self.randn(T, HEADS, DIM))
+            self.store.scores.index_copy_(0, ids[layer].T.reshape(-1), self.randn(T * HEADS))
+
+    def step(self, check: bool = True) -> dict:
+        """One decode step; returns the transfers of each phase (and checks every layer against the formula)."""
+        self.lengths = [n + 1 for n in self.lengths]
+        batch = len(self.rows) + 1
+        queries = [torch.randn(batch, HEADS * GROUP, DIM, generator=self.g) for _ in range(self.layers)]
+        outputs = [torch.empty(batch, HEADS * GROUP, DIM) for _ in range(self.layers)]
+        with Transfers() as prepare:
+            rows, _, new_ids = self.plan()
+            decode = self.buffers.layout(rows, new_ids, batch)
+        with Transfers() as forward:
+            for layer in range(self.layers):
+                self.write(decode.new_ids, [layer])
+                self.buffers.attend(layer, queries[layer], 0.3, outputs[layer])
+        if check:
+            slots = self.store.slots(self.rows)
+            for layer in range(self.layers):
+                width = self.store.widths(self.rows)[layer]
+                want = ragged_decode_attention(queries[layer][:-1], self.store.k, self.store.v,
+                                               self.store.layer_ids(slots, layer, width), self.store.lengths[slots, layer],
+                                               0.3)
+                torch.testing.assert_close(outputs[layer][:-1], want, atol=1e-5, rtol=1e-5)
+                assert not outputs[layer][-1].any()  # the padding row
+        with Transfers() as end:
+            self.store.decide_decode(self.rows, 0.0, WINDOW)
+        return {"prepare": (prepare.reads, prepare.moves), "forward": (forward.reads, forward.moves),
+                "end": (end.reads, end.moves)}
+
+
+def test_fifty_decode_steps_keep_every_buffer_in_place_through_table_growth(kernels):
+    """50 steps, lengths growing and heads pruned (τ = 0 on random scores), the row tables growing under them: every
+    buffer the forward reads keeps its data pointer, the store's K/V/scores too, and every layer equals the formula."""
+    run = Run(kernels, requests=3, layers=2)
+    store = run.store
+    pointers = {name: t.data_ptr() for name, t in run.buffers.buffers().items()}
+    pointers.update(k=store.k.data_ptr(), v=store.v.data_ptr(), scores=store.scores.data_ptr())
+    tables = {store.ids.data_ptr()}
+    widths = [store.ids.shape[-1]]
+    held = store.held
+    for _ in range(50):
+        run.step()
+        now = {name: t.data_ptr() for name, t in run.buffers.buffers().items()}
+        now.update(k=store.k.data_ptr(), v=store.v.data_ptr(), scores=store.scores.data_ptr())
+        assert now == pointers
+        tables.add(store.ids.data_ptr())
+        widths.append(store.ids.shape[-1])
+    assert len(tables) > 1 and widths[-1] > widths[0], "the row tables did not grow: the test proves nothing"
+    logical = 50 * 3 * 2 * HEADS  # entries appended by the 50 steps
+    assert 0 < held + logical - store.held < logical  # some entries were evicted, not all
+
+
+def test_a_decode_step_transfers_nothing_inside_the_forward_and_a_constant_around_it(kernels):
+    """Counted per phase over 4 steps, for 1 to 5 requests and 1 to 3 layers: the forward (K/V and score writes,
+    attention) makes no transfer; the layout before it and the decisions after it make the same number whatever the
+    batch and the layers (the aux cache's upload, the slots' upload, the host mirror's lengths)."""
+    seen = {}
+    for requests, layers in ((1, 1), (3, 2), (5, 3)):
+        run = Run(kernels, requests, layers, seed=requests)
+        counts = [run.step(check=False) for _ in range(4)]
+        assert all(c == counts[0] for c in counts), counts
+        seen[(requests, layers)] = counts[0]
+    first = next(iter(seen.values()))
+    assert all(c == first for c in seen.values()), seen
+    assert first["forward"] == (0, 0), first
+    # before: the aux cache reads SGLang's two host lists and the store's host mirror (width, widths): 4 reads of
+    # host tensors (no transfer on a GPU); 2 uploads (the appended entries' layout, the slots). After: the decisions'
+    # one upload (slots, positions) and one read of the new lengths, plus 2 reads of the host mirror's sums.
+    assert first["prepare"] == (4, 2) and first["end"] == (2, 2), first
+
+
+@pytest.mark.gpu
+def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eager(kernels):
+    """On a GPU (bf16): every layer's K/V write, score write and attention captured ONCE in a ``torch.cuda.CUDAGraph``
+    at a batch padded past the requests, with SGLang's capture layout (all padding); then 50 steps, lengths growing,
+    heads pruned (τ = 0) and the row tables growing: each step laid out in the buffers and the graph replayed. Each
+    layer's output equals the same kernel run eagerly on the same buffers (bit for bit) and the float32 formula over the
+    store's entries (bf16 tolerance); the padding rows give zeros."""
+    run = Run(kernels, requests=3, layers=2, device="cuda", dtype=torch.bfloat16)
+    store, buffers, L, batch = run.store, run.buffers, run.layers, 4
+    q = run.randn(L, batch, HEADS * GROUP, DIM)
+    k_new, v_new, s_new = run.randn(L, batch, HEADS, DIM), run.randn(L, batch, HEADS, DIM), run.randn(L, batch * HEADS)
+    out = torch.zeros(L, batch, HEADS * GROUP, DIM, dtype=torch.bfloat16, device="cuda")
+    decode = buffers.capture_layout(batch)
+
+    def forward():
+        for layer in range(L):
+            write_entries(store, decode.new_ids[layer], k_new[layer], v_new[layer])
+            store.scores.index_copy_(0, decode.new_ids[layer].T.reshape(-1), s_new[layer])
+            buffers.attend(layer, q[layer], 0.3, out[layer])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    widths = {store.ids.shape[-1]}
+    for _ in range(50):
+        run.lengths = [n + 1 for n in run.lengths]
+        rows, _, new_ids = run.plan()
+        assert buffers.layout(rows, new_ids, batch).new_ids.data_ptr() == decode.new_ids.data_ptr()
+        for t in (q, k_new, v_new, s_new):
+            t.copy_(run.randn(*t.shape))
+        graph.replay()
+        slots = store.slots(run.rows)
+        for layer in range(L):
+            eager = torch.empty_like(out[layer])
+            buffers.attend(layer, q[layer], 0.3, eager)
+            assert torch.equal(out[layer], eager)
+            assert not out[layer, len(rows):].any()
+            width = store.widths(run.rows)[layer]
+            want = ragged_decode_attention(q[layer, : len(rows)], store.k, store.v, store.layer_ids(slots, layer, width),
+                                           store.lengths[slots, layer], 0.3)
+            torch.testing.assert_close(out[layer, : len(rows)].float(), want.float(), atol=2e-2, rtol=2e-2)
+        store.decide_decode(run.rows, 0.0, WINDOW)
+        widths.add(store.ids.shape[-1])
+    assert len(widths) > 1, "the row tables did not grow: the test proves less than it says"
