@@ -96,17 +96,13 @@ def test_state_copies_keep_the_buffers():
 
 @INTERPRETED
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_ragged_step_through_sglangs_kernel_in_the_interpreter():
+def test_ragged_step_through_sglangs_kernel_in_the_interpreter(sglang_kernel_path):
     """The step with attention through ``FlattenedDecode`` (SGLang's kernel, Triton's interpreter, float32) gives
     what it gives through the torch path."""
-    from tests.kernels.test_flattened_attention import kernel_source
-
     from kvzap_export.kernels import sglang_kernels
     from kvzap_export.kernels.flattened_attention import FlattenedDecode
 
-    source = kernel_source()
-    if source is None:
-        pytest.skip("needs SGLang's kernel file (see tests/kernels/test_flattened_attention.py)")
+    source = sglang_kernel_path  # the fixture skips, saying so, without SGLang's kernel file
     layer = Layer(**SMALL)
     st = state([[129, 170], [133, 140]], spare=6)
     flat = FlattenedDecode(2, 2, 4, 16, st.ids.shape[-1], dtype=torch.float32, device="cpu", max_kv_splits=4,

@@ -54,20 +54,16 @@ class ReplayedByCalling:
 
 @INTERPRETED
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys):
+def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_kernel_path):
     """The whole script, sections and report, at tiny shapes in float32 on the CPU: SGLang's kernel and our Triton
     kernel in the interpreter, a wall clock for CUDA events, ``ReplayedByCalling`` for graphs. Checks the plumbing
     (rows, kernels named, exactness verdicts, the report serialisable); timings mean nothing here."""
     import json
     import time
 
-    from tests.kernels.test_flattened_attention import kernel_source
-
     from kvzap_export.kernels import sglang_kernels
 
-    source = kernel_source()
-    if source is None:
-        pytest.skip("needs SGLang's kernel file (see tests/kernels/test_flattened_attention.py)")
+    source = sglang_kernel_path  # the fixture skips, saying so, without SGLang's kernel file
     # The step model's shapes, dtype and device, read by the model (``Layer()``'s defaults) and by the script alike
     for name, value in dict(DEVICE="cpu", DTYPE=torch.float32, Q_HEADS=8, KV_HEADS=2, HEAD_DIM=16, HIDDEN=64, FFN=96,
                             SURROGATE_HIDDEN=32).items():

@@ -63,7 +63,7 @@ def test_the_formula_is_the_ragged_stores_decode_decision():
     g = torch.Generator().manual_seed(3)
     store = RaggedStore(4000, num_layers=2, num_kv_heads=3, head_dim=4)
     store.append([0, 1], [200, 150])
-    store.scores.copy_(torch.randn(4000, generator=g) * 2 - 4)
+    store.scores[:4000].copy_(torch.randn(4000, generator=g) * 2 - 4)  # the last row is the scratch row
     store.decide_prefill([0, 1], -4.0, WINDOW)
     store.append([0, 1], [1, 1])  # one decode token each: one position leaves each row's window
     slots = store.slots([0, 1])

@@ -120,6 +120,26 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
         assert result["freed_fraction"] > 0.3
 
 
+def test_ragged_mode_with_chunked_prefill_gives_kvpress_tokens(smollm2):
+    """SGLang's chunked prefill in ragged mode (64-token chunks, 400-token prompts): each chunk after the first attends
+    over the entries its request holds (nothing decided yet: every head holds every earlier token), and the prompt is
+    decided at its last chunk, as kvpress decides after the whole prefill. Same tokens as kvpress, same entries freed
+    as the decisions imply."""
+    from kvzap_export.bundle.manifest import read_manifest
+    from kvzap_export.validate.engine_level import run_engine_level
+    from tests.conftest import sglang_python
+
+    model, bundle = smollm2
+    prompts = reference_prompts(bundle)
+    assert min(len(p) for p in prompts) > 3 * 64  # several chunks per prompt
+    result = run_engine_level(bundle, read_manifest(bundle), "sglang", "ragged", str(model), python=sglang_python(),
+                              engine_args={"chunked_prefill_size": 64})
+    assert result["engine_info"]["args"]["chunked_prefill_size"] == 64
+    check_against_kvpress(result, prompts)
+    for row in result["prompts"]:
+        assert row["kv_held"] == row["decided_entries"] < row["kv_dense"]
+
+
 def test_ragged_mode_through_sglangs_decode_kernel_and_the_step_buffers(qwen3, capsys, monkeypatch):
     """The GPU's decode path on the CPU engine (``KVZAP_RAGGED_DECODE=flattened``): each step laid out in the buffers a
     CUDA graph would replay (``ragged_decode.DecodeBuffers``), attention through SGLang's own decode kernel (its
