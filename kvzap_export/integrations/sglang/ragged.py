@@ -42,7 +42,7 @@ from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
-_STEP: "Step | None" = None  # the forward running now, laid out by the backend, read by the scoring hook
+_STEP: "Step | BufferedDecode | None" = None  # the forward running now (laid out by the backend, read by scoring)
 
 
 @dataclass
