@@ -197,7 +197,8 @@ class RaggedKVzapSGLang(KVzapSGLang):
 
     def extra_bytes(self) -> dict:
         """The per-head pool: K, V, scores, row tables, free list (no slot-indexed score buffer in this mode)."""
-        return {f"ragged_{name}": size for name, size in current_store().nbytes().items()} if built_store() is not None else {}
+        store = built_store()
+        return {} if store is None else {f"ragged_{name}": size for name, size in store.nbytes().items()}
 
     def decided(self, idx: int) -> dict:
         """What the decisions left in row ``idx``: the lengths of its row table (``pool_readings`` reads the pool's

@@ -36,7 +36,7 @@ def decode_path(device: torch.device) -> str:
     """``flattened`` (SGLang's decode kernel over these buffers; the default on CUDA) or ``torch`` (the padded gather of
     ``kernels.ragged_attention``, no graphs; the default elsewhere). ``$KVZAP_RAGGED_DECODE`` overrides (tests run the
     flattened path on the CPU engine, the kernel in Triton's interpreter)."""
-    chosen = os.environ.get(ENV, "").strip().lower()
+    chosen = _chosen()
     if chosen and chosen not in PATHS:
         raise ConfigError(f"{ENV}={chosen!r}: use one of {list(PATHS)}")
     return chosen or ("flattened" if device.type == "cuda" else "torch")
@@ -44,7 +44,11 @@ def decode_path(device: torch.device) -> str:
 
 def graphs_allowed() -> bool:
     """Whether the decode path the environment asks for can run in CUDA graphs (the torch path cannot)."""
-    return os.environ.get(ENV, "").strip().lower() != "torch"
+    return _chosen() != "torch"
+
+
+def _chosen() -> str:
+    return os.environ.get(ENV, "").strip().lower()
 
 
 @dataclass
