@@ -3,7 +3,7 @@
     python scripts/sglang_stream_report.py docs/bench/sglang-stream-DATE.json > section.md
 
 Prints the settings and provenance, the dense backend probe, the medians with their spread per configuration,
-the ratios against dense, the decode step per batch size, the bytes of every buffer, and each run's figures
+the ratios against the baseline (dense, or dense with the radix cache when the prompts share a prefix), the decode step per batch size, the bytes of every buffer, and each run's figures
 (including each prefill step), so that the page shows all that the JSON holds.
 """
 
@@ -18,7 +18,9 @@ SCALARS = (("output tokens/s (whole stream)", "tokens_per_s", 2), ("requests/s",
            ("inter-token p50 (s)", "itl_p50_s", 3), ("inter-token p90 (s)", "itl_p90_s", 3),
            ("most running at once", "max_running", 0), ("K/V entries after a prompt (mean)", "kv_held_after_prefill", 0),
            ("K/V entries at the peak", "kv_peak_entries", 0), ("freed at each request's peak", "freed_at_peak", 3),
-           ("prefill s per 1k prompt tokens", "prefill_s_per_1k_tokens", 3), ("prefill s (all extend steps)", "prefill_s", 1))
+           ("prefill s per 1k prompt tokens computed", "prefill_s_per_1k_tokens", 3),
+           ("prefill s (all extend steps)", "prefill_s", 1),
+           ("prompt tokens from the radix cache", "radix_hit_rate", 3))
 
 
 def number(value, digits: int) -> str:
@@ -46,8 +48,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def report(doc: dict) -> str:
     settings, summary, versus, runs = doc["settings"], doc["summary"], doc["vs_dense"], doc["runs"]
     labels = list(summary)
+    baseline = settings.get("baseline", "dense")  # documents before --configs: always dense
+    shared = settings.get("shared_prefix_tokens") or 0
     out = [f"Machine: {doc['machine']}. Date: {doc['date']}. Settings: {settings['requests']} requests × "
-           f"{settings['prompt_tokens']} prompt tokens × {settings['new_tokens']} new tokens, pool "
+           f"{settings['prompt_tokens']} prompt tokens{f' (the first {shared} shared by all)' if shared else ''} × "
+           f"{settings['new_tokens']} new tokens, pool "
            f"{settings['pool_tokens']:,} dense tokens, {settings['rounds']} interleaved rounds; engine arguments "
            f"`{json.dumps(settings['engine_args'])}`; prompts sha256 `{settings['prompts_sha256'][:16]}…` "
            f"({settings['prompt_source']}); surrogate {settings['surrogate']['variant']} sha256 "
@@ -56,13 +61,14 @@ def report(doc: dict) -> str:
     if probe["candidates"]:
         found = "; ".join(f"{name}: " + (f"{c['tokens_per_s']:.2f} tokens/s, wall {c['wall_s']:.1f} s" if "tokens_per_s" in c
                                          else f"failed ({c['error']})") for name, c in probe["candidates"].items())
-        out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend, the faster on a probe stream "
+        overlap = {True: ", overlap scheduler on", False: ", overlap scheduler off"}.get(probe.get("overlap"), "")
+        out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend{overlap}, the fastest on a probe stream "
                 f"({probe['probe']['requests']} requests × {probe['probe']['new_tokens']} new tokens): {found}.", ""]
     else:
         out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend (chosen on the command line).", ""]
     out += ["Medians over rounds [min–max]:", "",
             table(["figure", *labels], [[name, *[spread(summary[label][key], digits) for label in labels]]
-                                        for name, key, digits in SCALARS]), ""]
+                                        for name, key, digits in SCALARS if key in summary[labels[0]]]), ""]
     ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
     rows = [["output tokens/s (ratio of medians)", *[ratio(versus[label]["tokens_per_s_ratio"]) for label in versus]],
             ["output tokens/s, ratio within each round",
@@ -75,7 +81,7 @@ def report(doc: dict) -> str:
             ["decode step at equal batch (batch: ratio)",
              *[", ".join(f"{n}: {r:.2f}" for n, r in versus[label]["decode_step_ratio_at_equal_batch"].items()) or "–"
                for label in versus]]]
-    out += ["Against dense:", "", table(["figure", *versus], rows), ""]
+    out += [f"Against {baseline}:", "", table(["figure", *versus], rows), ""]
     sizes = sorted({n for label in labels for n in summary[label]["decode_step_s"]}, key=int)
     out += ["Decode step (s) per batch size, medians over rounds [min–max]:", "",
             table(["batch", *labels], [[n, *[spread(summary[label]["decode_step_s"][n], 3)
@@ -88,12 +94,15 @@ def report(doc: dict) -> str:
                                                                          for label in labels]]]), ""]
     keys = ("tokens_per_s", "requests_per_s", "wall_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s", "max_running",
             "kv_held_after_prefill", "kv_peak_entries", "kv_pool_entries", "freed_at_peak", "prefill_s_per_1k_tokens",
-            "prefill_s", "output_tokens", "finished", "launch_s")
+            "prefill_s", "radix_hit_rate", "output_tokens", "finished", "launch_s")
+    keys = tuple(k for k in keys if any(k in r["figures"] for r in runs))
+    cell = lambda v: number(v, 3) if isinstance(v, float) else ("–" if v is None else str(v))  # noqa: E731
     out += ["Each run, in the order they ran:", "",
-            table(["round", "configuration", "backend", *keys],
+            table(["round", "configuration", "backend", "radix cache", "overlap", *keys],
                   [[str(r["round"]), r["label"], str(r["attention_backend"]),
-                    *[number(r["figures"][k], 3) if isinstance(r["figures"][k], float) else str(r["figures"][k])
-                      for k in keys]] for r in runs]), ""]
+                    {True: "on", False: "off"}.get(r.get("radix_cache"), "off"),
+                    {True: "on", False: "off"}.get(r.get("overlap_schedule"), "off"),
+                    *[cell(r["figures"].get(k)) for k in keys]] for r in runs]), ""]
     out += ["Each run's decode steps (batch: steps, median s) and prefill steps (prompts × seconds):", ""]
     for r in runs:
         f = r["figures"]

@@ -7,17 +7,24 @@ step end (``integrations/sglang/stats.py``: SGLang's allocator, the per-head poo
 what KVzap's decisions left). From them:
 
 - throughput: output tokens / wall clock of the whole stream, requests / wall clock;
-- latency: time to first token (a request's first step end - its submission), inter-token latency (the time
-  between a request's consecutive step ends), p50 / p90 over requests and tokens;
+- latency: time to first token (the step end of a request's prompt, its last chunk - its submission),
+  inter-token latency (the time between a request's consecutive step ends from there on), p50 / p90 over requests
+  and tokens;
 - concurrency: the most requests in one decode step (``max_running``);
 - memory: K/V entries (one token of one KV head of one layer) a request holds at the step end that ended its
-  prompt (its last extend step before its first decode step: where KVzap decided the prompt; mean), the pool's entries held at the busiest step, and ``freed_at_peak``: over the requests, the entries
+  prompt (its last extend step before its first decode step: where KVzap decided the prompt; mean), the pool's entries
+  held for running requests at the busiest step (with SGLang's radix cache on, less what its tree keeps of ended
+  requests; a shared prefix counts once here, in every request that holds it in the per-request figures), and
+  ``freed_at_peak``: over the requests, the entries
   freed at each request's last step (its largest footprint) relative to what dense storage holds then,
   ``(prompt + tokens sampled before that step) * layers * kv_heads``; bytes of every buffer the mode allocated (SGLang's K/V, our
   pool, its row tables, score buffers, the logical slot list) at the busiest step;
 - step times: the wall time between consecutive step ends (the first step: from the first submission), per
-  decode batch size (median), and for prompts the extend steps' total time per 1,000 prompt tokens (and per
-  step, with its prompt count).
+  decode batch size (median), and for prompts the extend steps' total time per 1,000 prompt tokens computed (a
+  reading's ``step_tokens``: a chunk counts once, a prefix taken from the radix cache not at all; and per step, with
+  its prompt count);
+- radix cache: the prompt tokens SGLang took from its cache over all prompt tokens of the finished requests (its
+  ``meta_info["cached_tokens"]``; 0 with the cache off).
 """
 
 from __future__ import annotations
@@ -41,6 +48,14 @@ def _held(line: dict) -> int:
     if "row_head_slots" in line:
         return int(line["row_head_slots"])
     return int(line["row_slots"]) * line["layers"] * line["kv_heads"]
+
+
+def _pool_held(line: dict, per_token: int) -> int:
+    """K/V entries the pool holds for running requests at one reading: the per-head pool's (ragged mode), else SGLang's
+    slots less those its radix tree keeps only as a cache (evictable, counted as room by its admission)."""
+    if "head_slots_held" in line:
+        return int(line["head_slots_held"])
+    return (int(line["slots_held"]) - int(line.get("tree_evictable_slots", 0))) * per_token
 
 
 def _prompt_end(lines: list[dict]) -> dict:
@@ -71,8 +86,11 @@ def run_figures(result: dict) -> dict:
     out_tokens = sum(len(r["output_ids"]) for r in stream)
     wall = result["wall_seconds"]
     submitted = {r["rid"]: r["t_submit"] for r in stream if "t_submit" in r}
-    ttft = [by_rid[rid][0]["t"] - t0 for rid, t0 in submitted.items() if by_rid.get(rid)]
-    itl = [b["t"] - a["t"] for lines in by_rid.values() for a, b in zip(lines, lines[1:])]
+    # A prompt's first token comes at the step end of its last chunk (earlier chunks sample nothing); the tokens after
+    # it are one per step end.
+    ttft = [_prompt_end(by_rid[rid])["t"] - t0 for rid, t0 in submitted.items() if by_rid.get(rid)]
+    sampled = {rid: lines[lines.index(_prompt_end(lines)):] for rid, lines in by_rid.items()}
+    itl = [b["t"] - a["t"] for lines in sampled.values() for a, b in zip(lines, lines[1:])]
     decode_sizes = [len(by_time[t]) for t in times if by_time[t][0]["forward"] == "decode"]
     decode_steps: dict[int, list[float]] = defaultdict(list)
     extend_s, extend_tokens, extend_steps = 0.0, 0, []
@@ -83,7 +101,7 @@ def run_figures(result: dict) -> dict:
         if lines[0]["forward"] == "decode":
             decode_steps[len(lines)].append(b - a)
         else:
-            prompts = sum(line["prompt_tokens"] for line in lines)
+            prompts = sum(line.get("step_tokens", line["prompt_tokens"]) for line in lines)
             extend_s += b - a
             extend_tokens += prompts
             extend_steps.append({"prompts": len(lines), "prompt_tokens": prompts, "seconds": b - a})
@@ -92,9 +110,11 @@ def run_figures(result: dict) -> dict:
     # token sampled before this step: the last one was this step's input.
     dense_last = sum((line["prompt_tokens"] + line["output_tokens"]) * per_token for line in last)
     held_last = sum(_held(line) for line in last)
-    busiest = max(steps, key=lambda line: line.get("head_slots_held", line["slots_held"] * per_token))
-    peak = busiest.get("head_slots_held", busiest["slots_held"] * per_token)
+    busiest = max(steps, key=lambda line: _pool_held(line, per_token))
+    peak = _pool_held(busiest, per_token)
     pool = steps[0].get("head_slots_pool", steps[0]["pool_slots"] * per_token)
+    cached = [r["cached_tokens"] for r in finished if r.get("cached_tokens") is not None]
+    prompt_tokens = sum(r["prompt_tokens"] for r in finished if r.get("cached_tokens") is not None)
     return {
         "requests": len(stream), "finished": len(finished), "output_tokens": out_tokens, "wall_s": wall,
         "tokens_per_s": out_tokens / wall, "requests_per_s": len(finished) / wall,
@@ -108,12 +128,13 @@ def run_figures(result: dict) -> dict:
         "decode_steps": {str(n): len(v) for n, v in sorted(decode_steps.items())},
         "prefill_s_per_1k_tokens": 1000 * extend_s / extend_tokens if extend_tokens else None,
         "prefill_s": extend_s, "extend_steps": extend_steps, "launch_s": result["engine"]["launch_seconds"],
+        "radix_hit_rate": sum(cached) / prompt_tokens if prompt_tokens else None,
     }
 
 
 SCALARS = ("tokens_per_s", "requests_per_s", "wall_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s",
            "max_running", "kv_held_after_prefill", "kv_peak_entries", "freed_at_peak", "prefill_s_per_1k_tokens",
-           "prefill_s")
+           "prefill_s", "radix_hit_rate")
 
 
 def spread(values: list[float]) -> dict:
@@ -132,7 +153,7 @@ def summarize(runs: list[dict]) -> dict:
         by_label[run["label"]].append(run)
     out = {}
     for label, group in by_label.items():
-        entry = {name: spread([r["figures"][name] for r in group]) for name in SCALARS}
+        entry = {name: spread([r["figures"].get(name) for r in group]) for name in SCALARS}
         sizes = sorted({n for r in group for n in r["figures"]["decode_step_s"]}, key=int)
         entry["decode_step_s"] = {n: spread([r["figures"]["decode_step_s"].get(n) for r in group]) for n in sizes}
         keys = sorted({k for r in group for k in r["figures"]["bytes"]})
@@ -145,7 +166,8 @@ def summarize(runs: list[dict]) -> dict:
 def compare(summary: dict, runs: list[dict], baseline: str = "dense") -> dict:
     """Each configuration against the baseline, on medians: throughput ratio, running ratio next to what the
     freed memory predicts (``1 / (1 - freed_at_peak)``), decode step ratio at each batch size both reached,
-    prefill time ratio (per 1,000 prompt tokens)."""
+    prefill time ratio (per 1,000 prompt tokens computed: a prefix taken from the radix cache is not in it; the
+    total prefill time, ``prefill_s``, is in the summary)."""
     base = summary[baseline]
     out = {}
     for label, entry in summary.items():

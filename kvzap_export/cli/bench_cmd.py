@@ -6,6 +6,8 @@ import json
 
 import click
 
+from kvzap_export.bench.sglang_stream import DEFAULT_CONFIGS
+
 SUITES = ("scoring", "compaction", "overhead", "e2e")
 
 
@@ -53,12 +55,20 @@ def _table(title: str, rows: list[dict]):
 @click.option("--dense-backend", default="auto", show_default=True,
               help="With --engine: SGLang's attention backend for the dense baseline; 'auto' probes torch_native and "
                    "flex_attention on a short stream and keeps the faster.")
+@click.option("--configs", default=",".join(DEFAULT_CONFIGS), show_default=True,
+              help="With --engine: the configurations to run, comma-separated: dense, dense-radix (SGLang without "
+                   "KVzap, radix cache off / on), evict, ragged, ragged-off (ragged storage, KVzap off: KVzap's own "
+                   "share), ragged-at-dense (ragged capped at the baseline's concurrency). Ratios are taken against "
+                   "dense-radix when chosen, else dense.")
+@click.option("--shared-prefix-tokens", default=0, show_default=True, type=int,
+              help="With --engine: the first N tokens of every prompt are the same (a shared system prompt), the "
+                   "rest distinct; needs dense-radix in --configs (the baseline that prefills the prefix once).")
 @click.option("--with-compile", is_flag=True,
               help="Also time torch.compile'd scoring (minutes of compilation; the engines do not use it: it measured "
                    "slower than eager on an H100).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
-          rounds, threshold, dense_backend, with_compile: bool, as_json: bool) -> None:
+          rounds, threshold, dense_backend, configs, shared_prefix_tokens, with_compile: bool, as_json: bool) -> None:
     """Benchmark KVzap: surrogate scoring (the engines' eager path, on a GPU also inside a CUDA graph; ONNX
     Runtime on a CPU), threshold compaction at 4k/32k/128k tokens (on a GPU the fused Triton and CUDA kernels as
     engines launch them), overhead vs one attention block at the model's dtype (Llama-3.1-8B shapes; at decode
@@ -71,13 +81,14 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
     interleaved rounds: output tokens/s and requests/s over the whole stream, TTFT and inter-token latency
     p50/p90, most requests running at once, K/V held after a prompt and at the peak, memory freed at each
     request's peak, bytes of every buffer, decode step per batch size, prefill time; medians [min-max] over
-    rounds, ratios against dense (read from the scheduler's own step ends).
+    rounds, ratios against dense (read from the scheduler's own step ends). --shared-prefix-tokens N: prompts that
+    share their first N tokens, the radix cache's hit rate reported, against dense with the radix cache on.
     """
     if engine is not None:
         from kvzap_export.cli.engine_bench import run_engine_bench
 
         run_engine_bench(bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                         dense_backend, as_json)
+                         dense_backend, as_json, configs, shared_prefix_tokens)
         return
     import torch
 

@@ -22,7 +22,8 @@ ROWS = (("output tokens/s (whole stream)", "tokens_per_s"), ("requests/s", "requ
         ("TTFT p50 / p90 (s)", ("ttft_p50_s", "ttft_p90_s")), ("inter-token p50 / p90 (s)", ("itl_p50_s", "itl_p90_s")),
         ("most running at once", "max_running"), ("K/V entries after a prompt", "kv_held_after_prefill"),
         ("K/V entries at the peak", "kv_peak_entries"), ("freed at each request's peak", "freed_at_peak"),
-        ("prefill s per 1k prompt tokens", "prefill_s_per_1k_tokens"), ("wall (s)", "wall_s"))
+        ("prefill s per 1k prompt tokens computed", "prefill_s_per_1k_tokens"),
+        ("prompt tokens from the radix cache", "radix_hit_rate"), ("wall (s)", "wall_s"))
 
 
 def _tables(report: dict):
@@ -38,7 +39,7 @@ def _tables(report: dict):
         keys = key if isinstance(key, tuple) else (key,)
         figures.add_row(name, *[" / ".join(_fmt(entry[k]) for k in keys) for entry in summary.values()])
     figures.add_row("MB allocated (every buffer)", *[f"{sum(e['bytes'].values()) / 1e6:.1f}" for e in summary.values()])
-    ratios = Table(title="against dense (medians)")
+    ratios = Table(title=f"against {report['settings'].get('baseline', 'dense')} (medians)")
     ratios.add_column("figure")
     for label in versus:
         ratios.add_column(label, overflow="fold")
@@ -54,9 +55,10 @@ def _tables(report: dict):
 
 
 def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                     dense_backend, as_json) -> None:
+                     dense_backend, as_json, configs: str | None = None, shared: int = 0) -> None:
     from kvzap_export.bench.run import SCHEMA
-    from kvzap_export.bench.sglang_stream import CPU_DENSE_BACKENDS, bench_sglang
+    from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, baseline_of, bench_sglang,
+                                                  parse_configs)
     from kvzap_export.bench.timing import machine
     from kvzap_export.errors import ConfigError
     from kvzap_export.validate.engine_level import engine_python
@@ -67,18 +69,27 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
                         ("--rounds", rounds)):
         if value < 1:
             raise ConfigError(f"{name} {value}: must be a positive integer")
+    configs = configs or ",".join(DEFAULT_CONFIGS)
+    chosen = parse_configs(configs)
+    if not 0 <= shared < prompt_tokens:
+        raise ConfigError(f"--shared-prefix-tokens {shared}: must be at least 0 and below --prompt-tokens {prompt_tokens} "
+                          "(each request needs a distinct part)")
+    if shared and "dense-radix" not in chosen:
+        raise ConfigError(f"--shared-prefix-tokens {shared} with --configs {configs}: add dense-radix (prompts that share "
+                          "a prefix are served best by dense SGLang with its radix cache: the baseline to beat)")
     if new_tokens < 2:
         raise ConfigError(f"--new-tokens {new_tokens}: must be at least 2 (the first token comes from the prefill; "
                           "the benchmark compares decode steps)")
     interpreter = engine_python(python)
     backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
-    configs = 5 + (threshold is not None)
+    count = len(chosen) + (threshold is not None and "ragged" in chosen)
     say = lambda line: click.echo(line, err=True)  # noqa: E731  (stderr: --json's document goes to stdout)
-    say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens x {new_tokens} new tokens, "
-        f"{rounds} interleaved rounds of {configs} configurations ({rounds * configs} engine launches"
-        f"{', after a dense backend probe' if len(backends) > 1 else ''})")
+    say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens"
+        f"{f' ({shared} shared)' if shared else ''} x {new_tokens} new tokens, {rounds} interleaved rounds of {count} "
+        f"configurations ({', '.join(chosen)}; {rounds * count} engine launches"
+        f", after a probe of dense's {len(backends) * 2} settings); ratios against {baseline_of(chosen)}")
     result = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                          backends, on_event=say)
+                          backends, on_event=say, configs=chosen, shared=shared)
     report = {"schema": SCHEMA, "machine": machine("cpu"), "device": "cpu", "date": datetime.date.today().isoformat(),
               "command": "kvzap-export bench --engine sglang", **result}
     if as_json:
@@ -87,6 +98,8 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     from rich.console import Console
 
     console = Console()
-    console.print(f"{report['machine']} · {report['date']} · dense baseline: SGLang {report['dense_backend']['chosen']}")
+    dense = report["dense_backend"]
+    console.print(f"{report['machine']} · {report['date']} · baseline: {report['settings']['baseline']}, SGLang's "
+                  f"{dense['chosen']} backend, overlap scheduler {'on' if dense.get('overlap') else 'off'}")
     for table in _tables(report):
         console.print(table)

@@ -238,6 +238,9 @@ def write_engine_report(bundle: Path, result: dict) -> Path:
     mark = {"passed": "✓", "failed": "✗"}.get(result["status"], "–")
     lines = [f"# Engine level: {result['engine']} ({result['mode']} mode) {mark} {result['status']}", "",
              result.get("compares", ""), "", result["summary"], ""]
+    resolved = (result.get("engine_info") or {}).get("resolved")
+    if resolved:  # what SGLang made of its defaults on this machine (its chunk size, the radix cache, overlap)
+        lines += ["SGLang's settings as it resolved them: " + ", ".join(f"`{k}={v}`" for k, v in resolved.items()), ""]
     if result.get("reason"):
         lines += [f"Not passed: {result['reason']}.", ""]
     if result.get("error"):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvzap_export.cli.main import main
 
 
@@ -35,3 +37,18 @@ def test_engine_bench_needs_two_new_tokens(tmp_path, capsys):
     assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--new-tokens 1" in err and "at least 2" in err
+
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--configs", "ragged,warp"], ["--configs", "warp", "dense-radix"]),
+    (["--configs", "ragged,evict"], ["--configs", "needs dense or dense-radix"]),
+    (["--shared-prefix-tokens", "768"], ["--shared-prefix-tokens 768", "add dense-radix"]),
+    (["--configs", "dense-radix,ragged", "--shared-prefix-tokens", "1024"], ["--shared-prefix-tokens 1024", "below"]),
+])
+def test_engine_bench_refuses_configurations_it_cannot_compare(tmp_path, capsys, args, named):
+    """Unknown configurations, no baseline, a shared prefix without the radix baseline, or one as long as the prompt:
+    one line, before any engine starts."""
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and all(text in err for text in named), err

@@ -109,6 +109,12 @@ def test_the_report_script_shows_every_run_and_ratio():
     assert text.count("| 1 | dense |") == 1 and text.count("| 2 | ragged |") == 1
     assert "| output tokens/s (ratio of medians) | 1.00 |" in text  # ragged at the same speed as dense here
     assert "round 2, ragged: decode 1: 1 × 0.500, 2: 2 × 0.750; prefill 2 × 0.50" in text
+    assert "Against dense:" in text and "| 1 | dense | torch_native | off | off |" in text  # a document before --configs
+    doc["settings"].update(baseline="dense, radix", shared_prefix_tokens=6)
+    runs[0]["radix_cache"] = True
+    text = module.report(doc)
+    assert "Against dense, radix:" in text and "(the first 6 shared by all)" in text
+    assert "| 1 | dense | torch_native | on | off |" in text
 
 
 @pytest.mark.parametrize("content, says", [(None, "cannot read"), ("{", "is not JSON"),
@@ -123,3 +129,28 @@ def test_the_report_script_refuses_what_is_not_a_bench_document(tmp_path, capsys
     captured = capsys.readouterr()
     assert stop.value.code == 2 and captured.out == ""
     assert says in captured.err and str(path) in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_prefill_counts_the_tokens_each_step_computed_and_the_radix_hit_rate():
+    """A prompt in two chunks counts its tokens once; a prefix SGLang took from its radix cache is not prefill work;
+    the hit rate is the cached prompt tokens over all prompt tokens (SGLang's meta_info)."""
+    lines = [dict(reading(101, "r0", "extend", 1, 10, 0), step_tokens=6),
+             dict(reading(102, "r0", "extend", 2, 10, 0), step_tokens=4), dict(reading(102, "r1", "extend", 2, 10, 0), step_tokens=2),
+             reading(104, "r0", "decode", 2, 10, 1), reading(104, "r1", "decode", 2, 10, 1)]
+    stream = [{"rid": "r0", "output_ids": [1, 1], "finish": "length", "t_submit": 100.0, "prompt_tokens": 10,
+               "cached_tokens": 0},
+              {"rid": "r1", "output_ids": [1, 1], "finish": "length", "t_submit": 100.0, "prompt_tokens": 10,
+               "cached_tokens": 8}]
+    f = run_figures({"readings": lines, "stream": stream, "wall_seconds": 4.0, "engine": {"launch_seconds": 1.0}})
+    assert f["extend_steps"] == [{"prompts": 1, "prompt_tokens": 6, "seconds": pytest.approx(1.0)},
+                                 {"prompts": 2, "prompt_tokens": 6, "seconds": pytest.approx(1.0)}]
+    assert f["prefill_s_per_1k_tokens"] == pytest.approx(1000 * 2.0 / 12)
+    assert f["radix_hit_rate"] == pytest.approx(8 / 20)
+    # r0's first token comes with its last chunk (t=102), not its first; the chunks' gap is no inter-token latency
+    assert f["ttft_p50_s"] == pytest.approx(2.0) and f["itl_p50_s"] == pytest.approx(2.0) == f["itl_p90_s"]
+    # with the radix cache on, slots its tree keeps as a cache of ended requests are not held for running ones
+    for line in lines:
+        line.update(slots_held=30, tree_evictable_slots=12)
+    f = run_figures({"readings": lines, "stream": stream, "wall_seconds": 4.0, "engine": {"launch_seconds": 1.0}})
+    assert f["kv_peak_entries"] == (30 - 12) * LH
+    assert run_figures(result(ragged=False))["radix_hit_rate"] is None  # a stream without SGLang's counts

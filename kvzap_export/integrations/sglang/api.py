@@ -217,6 +217,9 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.entrypoints.engine", "Engine.shutdown", "method", ("self",)),
     ApiName("sglang.srt.entrypoints.engine", "Engine.tokenizer_manager", "field"),
     ApiName("sglang.srt.entrypoints.engine", "Engine.loop", "field"),
+    ApiName("sglang.srt.entrypoints.engine", "Engine.server_args", "field"),
+    ApiName("sglang.srt.server_args", "ServerArgs.resolved_dict", "method", ("self",)),
+    ApiName("sglang.srt.mem_cache.base_prefix_cache", "BasePrefixCache.evictable_size", "method", ("self",)),
     ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.abort_request", "method", ("self", "rid")),
     ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.tokenizer", "field"),
 )

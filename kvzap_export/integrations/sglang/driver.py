@@ -17,8 +17,9 @@ Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"
 ``"threshold"``: τ instead of the bundle's): every request is submitted at once (SGLang admits them as its
 memory allows), those with ``abort_after`` are aborted that many seconds after submission; mode ``dense`` runs
 SGLang without KVzap (readings only). Result: ``{"engine", "stream": [{"rid", "output_ids", "finish", "seconds",
-"t_submit", "t_done"}], "readings": [every reading line], "wall_seconds"}``; ``t_submit`` / ``t_done`` are wall-clock
-times (``time.time()``, the clock of the readings).
+"t_submit", "t_done", "prompt_tokens", "cached_tokens"}], "readings": [every reading line], "wall_seconds"}``;
+``t_submit`` / ``t_done`` are wall-clock times (``time.time()``, the clock of the readings); ``cached_tokens``: the
+prompt tokens SGLang took from its radix cache (SGLang's ``meta_info``; 0 with the cache off).
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ import time
 from pathlib import Path
 
 # The settings every mode needs on any machine (docs/integrations.md); the CPU needs the torch_native family.
+# Chunked prefill stays at SGLang's own default size (a prompt is decided at its last chunk, as kvpress decides it
+# at the prompt's end); a spec's "engine" overrides any of these (the benchmark's "dense, radix" turns the radix
+# cache back on for SGLang without KVzap).
 BASE_ENGINE_ARGS = {
     "disable_radix_cache": True, "disable_overlap_schedule": True, "page_size": 1,
     "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
-    "chunked_prefill_size": -1, "log_level": "warning", "skip_server_warmup": True,
+    "log_level": "warning", "skip_server_warmup": True,
 }
 MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
 GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"}  # dense: SGLang's default
@@ -111,11 +115,20 @@ def _launch(spec: dict):
     return engine, stats, time.perf_counter() - started
 
 
-def _engine_info(spec: dict, launch_s: float) -> dict:
+RESOLVED = ("chunked_prefill_size", "disable_radix_cache", "disable_overlap_schedule", "max_prefill_tokens")
+
+
+def _engine_info(spec: dict, launch_s: float, engine=None) -> dict:
+    """The versions, the arguments we passed, and what SGLang resolved for the settings KVzap depends on (e.g. its
+    default chunk size for this machine)."""
     import importlib.metadata as md
 
+    server_args = getattr(engine, "server_args", None)
+    # SGLang keeps what it decided for its defaults as declarations over the given arguments: resolved_dict() applies them
+    settled = server_args.resolved_dict() if server_args is not None else {}
+    resolved = {k: settled[k] for k in RESOLVED if k in settled}
     return {"sglang": md.version("sglang"), "torch": md.version("torch"), "args": engine_args(spec),
-            "launch_seconds": launch_s}
+            "resolved": resolved, "launch_seconds": launch_s}
 
 
 def stream(spec: dict) -> dict:
@@ -140,9 +153,11 @@ def stream(spec: dict) -> dict:
         except ValueError as exc:  # SGLang raises a request's abort message (e.g. a 400) in the caller
             return {"rid": rid, "output_ids": [], "finish": "abort", "error": str(exc), "seconds": time.perf_counter() - t0,
                     "t_submit": submitted, "t_done": time.time()}
+        meta = out["meta_info"]
         return {"rid": rid, "output_ids": list(out.get("output_ids") or []),
-                "finish": (out["meta_info"].get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0,
-                "t_submit": submitted, "t_done": time.time()}
+                "finish": (meta.get("finish_reason") or {}).get("type"), "seconds": time.perf_counter() - t0,
+                "t_submit": submitted, "t_done": time.time(), "prompt_tokens": meta.get("prompt_tokens"),
+                "cached_tokens": meta.get("cached_tokens")}
 
     async def everything():
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(spec["stream"])))
@@ -155,7 +170,7 @@ def stream(spec: dict) -> dict:
     finally:
         engine.shutdown()
     readings = [json.loads(line) for line in stats.read_text().splitlines()] if stats.is_file() else []
-    return {"engine": _engine_info(spec, launch_s), "stream": results, "readings": readings, "wall_seconds": wall}
+    return {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall}
 
 
 def run(spec: dict, progress=None) -> dict:
@@ -179,7 +194,7 @@ def run(spec: dict, progress=None) -> dict:
                     progress(p, choice)
     finally:
         engine.shutdown()
-    return {"engine": _engine_info(spec, launch_s), "results": results}
+    return {"engine": _engine_info(spec, launch_s, engine), "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,7 +132,7 @@ def _step_end_hook(scheduler, batch, *args, **kwargs):
     rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
     if rt.stats is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()) and batch.reqs:
         counts = tallies()
-        rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None)
+        rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None, scheduler)
     if allocator.available_size() > before:
         # SGLang stops admitting prefills once one did not fit (``batch_is_full``) and clears that flag only when a
         # request leaves the batch; KVzap's eviction frees memory without any request leaving, so clear it here.
@@ -167,7 +167,7 @@ def _readings_only():
 def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
     readings = _readings_only()
     if readings is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()):
-        readings.record(batch)
+        readings.record(batch, scheduler=scheduler)
 
 
 def install_readings_only() -> None:

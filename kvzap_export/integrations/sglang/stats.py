@@ -6,7 +6,9 @@ of the SGLang engine benchmark). The numbers come from the engine's pools, never
 
 - ``slots_held``: token slots SGLang's allocator has handed out, ``size`` minus its free slot ids (one slot
   holds every layer and KV head of one token in the dense layout and evict mode; in ragged mode slot ids
-  carry no K/V); ``row_slots``: the request's own slots by SGLang's bookkeeping (``kv_allocated_len``, which
+  carry no K/V; with SGLang's radix cache on it includes the slots its tree keeps after their requests ended,
+  ``tree_evictable_slots``); ``row_slots``: the request's slots by SGLang's bookkeeping (a prefix taken from the
+  radix cache counts in every request that holds it) (``kv_allocated_len``, which
   evict mode itself lowers when it frees the tail); ``available_to_scheduler``: ``available_size()``;
 - ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list)
   and ``row_head_slots`` (the lengths of the request's rows in the store's tables);
@@ -14,7 +16,9 @@ of the SGLang engine benchmark). The numbers come from the engine's pools, never
   slot list, and what KVzap adds (the score side buffer; in ragged mode the pool's K, V, scores, row tables and
   free list).
 
-Per-request lines also carry what the glue's decisions imply (``decided_entries``: the state's kept counts),
+``step_tokens``: the tokens this step computed for the request (an extend: its chunk, without the prefix SGLang
+took from its radix cache or an earlier chunk; a decode step: 1). Per-request lines also carry what the glue's
+decisions imply (``decided_entries``: the state's kept counts),
 so that the two can be compared. Idle lines (``"event": "idle"``, written once each time the scheduler
 runs out of work) show whether every entry came back (the no-leak check).
 """
@@ -47,7 +51,7 @@ class AllocatorReadings:
                 fh.write("\n".join(json.dumps(line) for line in lines) + "\n")
 
     @staticmethod
-    def _pool(allocator, rt) -> dict:
+    def _pool(allocator, rt, tree=None) -> dict:
         kv = allocator.get_kvcache()
         size = int(allocator.size)
         # SGLang's own free list of slot ids. In ragged mode the allocator's available_size() is the per-head
@@ -57,17 +61,25 @@ class AllocatorReadings:
                "layers": int(kv.layer_num), "kv_heads": int(kv.head_num),
                "bytes": {"sglang_kv": int(sum(kv.get_kv_size_bytes())), "slot_free_list": 8 * size,
                          **(rt.extra_bytes() if rt is not None else {})}}
+        if tree is not None and not getattr(tree, "disable", True):
+            # with SGLang's radix cache on, finished requests' slots stay in its tree (evictable, counted as room by
+            # its admission), so slots_held counts them too
+            out["tree_evictable_slots"] = int(tree.evictable_size())
         if rt is not None:
             out.update(rt.pool_readings(None))
         return out
 
-    def record(self, batch, rt=None, extra: dict | None = None) -> None:
+    def record(self, batch, rt=None, extra: dict | None = None, scheduler=None) -> None:
         """One line per request of the batch, at the end of its step (before SGLang frees finished rows); ``extra``
-        goes on every line (``host_reads``: the step's counted reads, ``host_reads.py``)."""
-        pool = self._pool(batch.token_to_kv_pool_allocator, rt)
+        goes on every line (``host_reads``: the step's counted reads, ``host_reads.py``). ``scheduler``: its allocator
+        and radix tree are read (the batch SGLang's overlap scheduler hands to its step end is a copy without an
+        allocator)."""
+        allocator = scheduler.token_to_kv_pool_allocator if scheduler is not None else batch.token_to_kv_pool_allocator
+        pool = self._pool(allocator, rt, getattr(scheduler, "tree_cache", None))
         now, forward = time.time(), "extend" if batch.forward_mode.is_extend() else "decode"
         lines = []
-        for req in batch.reqs:
+        extend_lens = batch.extend_lens if forward == "extend" else None
+        for i, req in enumerate(batch.reqs):
             idx = req.kv.req_pool_idx
             if idx is None:
                 continue
@@ -75,6 +87,7 @@ class AllocatorReadings:
             line = {"rid": req.rid, "t": now, "forward": forward, "mode": rt.mode if rt is not None else "dense",
                     "kvzap": bool(decided), "decoding": decided.pop("decoding", None),
                     "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
+                    "step_tokens": int(extend_lens[i]) if extend_lens is not None else 1,
                     "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool, **decided}
             if rt is not None:
                 line.update(rt.pool_readings(idx))
@@ -85,7 +98,7 @@ class AllocatorReadings:
 
     def record_idle(self, scheduler, rt=None) -> None:
         """The pools with no request running; written once after each busy period (and when it changes)."""
-        pool = self._pool(scheduler.token_to_kv_pool_allocator, rt)
+        pool = self._pool(scheduler.token_to_kv_pool_allocator, rt, getattr(scheduler, "tree_cache", None))
         if pool != self._last_idle:
             self._last_idle = pool
             self._write([{"event": "idle", "t": time.time(), **pool}])

@@ -1,0 +1,85 @@
+"""The SGLang stream benchmark's workload and plan (no engine: the launches are recorded, the figures made up)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvzap_export.bench import sglang_stream
+from kvzap_export.errors import ConfigError
+
+
+def tokenizer(text: str) -> dict:
+    return {"input_ids": [ord(c) for c in text]}
+
+
+def test_prompts_share_exactly_their_first_tokens():
+    plain = sglang_stream.stream_prompts(tokenizer, 4, 50)
+    shared = sglang_stream.stream_prompts(tokenizer, 4, 50, shared=30)
+    assert all(len(p) == 50 for p in plain + shared)
+    assert len({tuple(p[:30]) for p in shared}) == 1  # one prefix
+    assert len({tuple(p[30:]) for p in shared}) == 4  # distinct parts
+    assert len({p[30] for p in shared}) == 4  # distinct from the first token after the prefix
+    assert plain[0][:30] == shared[0][:30]  # the prefix is the text's opening
+    assert len({tuple(p[:1]) for p in plain}) > 1  # without a shared prefix the prompts differ from their start
+    with pytest.raises(ConfigError, match="--shared-prefix-tokens 50"):
+        sglang_stream.stream_prompts(tokenizer, 4, 50, shared=50)
+
+
+def test_configs_and_their_baseline():
+    assert sglang_stream.parse_configs("dense, ragged,dense") == ("dense", "ragged")
+    assert sglang_stream.baseline_of(("dense", "ragged")) == "dense"
+    assert sglang_stream.baseline_of(("dense", "dense-radix", "ragged")) == "dense, radix"
+    with pytest.raises(ConfigError, match="needs dense or dense-radix"):
+        sglang_stream.parse_configs("ragged,ragged-off")
+
+
+def test_the_plan_turns_the_radix_cache_on_for_dense_radix_only_and_caps_after_the_baseline(monkeypatch):
+    """Each launch's spec: the radix cache on only for "dense, radix"; the capped ragged run comes after the baseline of
+    its round and takes the baseline's concurrency; ratios are against the baseline."""
+    launched = []
+    running = {"dense, radix": 5, "ragged": 9, "ragged at dense's concurrency": 5}
+
+    def fake_stream(python, spec):
+        label = ("dense, radix" if spec["mode"] == "dense" else
+                 "ragged at dense's concurrency" if spec["engine"]["max_running_requests"] != 4 else "ragged")
+        launched.append((label, spec))
+        return {"label": label, "engine": {"args": spec["engine"]}}
+
+    def fake_figures(result):
+        label = result["label"]
+        return {"tokens_per_s": 2.0 if label == "ragged" else 1.0, "max_running": running[label], "decode_step_s": {},
+                "bytes": {}, "freed_at_peak": 0.5, "prefill_s_per_1k_tokens": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
+    monkeypatch.setattr(sglang_stream, "run_figures", fake_figures)
+    monkeypatch.setattr(sglang_stream, "StreamBench", _bench_without_tokenizer())
+    out = sglang_stream.bench_sglang("b", "m", "python", requests=4, rounds=2, dense_backends=("torch_native",),
+                                     configs=("ragged-at-dense", "dense-radix", "ragged"), shared=8)
+    probes, launched = launched[:2], launched[2:]  # the dense probe: the backend with the overlap scheduler off, on
+    assert [spec["engine"].get("disable_overlap_schedule", True) for _, spec in probes] == [True, False]
+    order = [label for label, _ in launched]
+    assert order == ["dense, radix", "ragged", "ragged at dense's concurrency"] * 2
+    # both probes ran at 1 token/s: the first (overlap off) is kept, and the dense runs take it
+    assert out["dense_backend"]["overlap"] is False
+    assert all(spec["engine"].get("disable_overlap_schedule", True) for _, spec in launched)
+    for label, spec in launched:
+        assert spec["engine"].get("disable_radix_cache", True) is (label != "dense, radix")
+    assert [spec["engine"]["max_running_requests"] for label, spec in launched if "concurrency" in label] == [5, 5]
+    assert out["settings"]["baseline"] == "dense, radix" and out["settings"]["shared_prefix_tokens"] == 8
+    assert out["vs_dense"]["ragged"]["tokens_per_s_ratio"] == pytest.approx(2.0)
+    assert [r["radix_cache"] for r in out["runs"][:3]] == [True, False, False]
+
+
+def _bench_without_tokenizer():
+    class Bench(sglang_stream.StreamBench):
+        def __init__(self, bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared):
+            self.bundle, self.model, self.python, self.requests = bundle, model, python, requests
+            self.prompt_tokens, self.new_tokens, self.shared = prompt_tokens, new_tokens, shared
+            self.pool_tokens = 100
+            self.prompts = [[1] * prompt_tokens for _ in range(requests)]
+            self.engine = {"max_total_tokens": 100, "max_running_requests": requests, "disable_radix_cache": True}
+
+        def provenance(self):
+            return {"shared_prefix_tokens": self.shared}
+
+    return Bench
