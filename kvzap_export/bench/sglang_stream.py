@@ -9,10 +9,10 @@ slow period of the machine hits every configuration alike; every figure is given
 spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on the fastest setting that runs here: each
 attention backend, with SGLang's overlap scheduler off and on (KVzap's modes need it off), serves a short probe stream
 first, and the fastest is the baseline's; with prompts that share a prefix, the baseline is dense with SGLang's radix
-cache on ("dense, radix": the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run with the radix cache off (ragged mode does not share
-pruned prefixes yet: docs/ragged-kv.md). "Ragged, KVzap off" is the ragged mode's storage and attention with every
-request asking for KVzap off: it holds every entry, as dense does, so what it gains over dense is the
-implementation, and what ragged gains over it is the memory KVzap freed. "Ragged at dense's concurrency" caps the
+cache on ("dense, radix": the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run
+with the radix cache off (ragged mode does not share pruned prefixes yet: docs/ragged-kv.md). "Ragged, KVzap off" is
+the ragged mode's storage and attention with every request asking for KVzap off: it holds every entry, as dense
+does, so what it gains over dense is the implementation, and what ragged gains over it is the memory KVzap freed. "Ragged at dense's concurrency" caps the
 ragged mode at the requests the baseline ran at once in that round (``--max-running-requests``), so that its decode
 step is timed at the baseline's batch size.
 """
@@ -34,15 +34,19 @@ MODES = ("dense", "evict", "ragged")
 CPU_DENSE_BACKENDS = ("torch_native", "flex_attention")  # SGLang's attention backends that run on a CPU here
 
 
+def check_shared_prefix(shared: int, tokens: int) -> None:
+    if not 0 <= shared < tokens:
+        raise ConfigError(f"--shared-prefix-tokens {shared}: must be at least 0 and below --prompt-tokens {tokens} "
+                          "(each request needs a distinct part)")
+
+
 def stream_prompts(tokenizer, count: int, tokens: int, shared: int = 0) -> list[list[int]]:
     """``count`` prompts of ``tokens`` tokens from Python's own documentation (pydoc topics). ``shared``: the first
     ``shared`` tokens are the same in every prompt (the text's opening: a system prompt), the rest distinct (0: every
     prompt distinct from its first token)."""
     from pydoc_data.topics import topics
 
-    if not 0 <= shared < tokens:
-        raise ConfigError(f"--shared-prefix-tokens {shared}: must be at least 0 and below --prompt-tokens {tokens} "
-                          "(each request needs a distinct part)")
+    check_shared_prefix(shared, tokens)
     ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics)))["input_ids"]
     if len(ids) < shared + count * (tokens - shared):
         raise ConfigError(f"not enough text for {count} prompts of {tokens} tokens ({len(ids)} tokens of text); "

@@ -58,7 +58,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
                      dense_backend, as_json, configs: str | None = None, shared: int = 0) -> None:
     from kvzap_export.bench.run import SCHEMA
     from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, baseline_of, bench_sglang,
-                                                  parse_configs)
+                                                  check_shared_prefix, parse_configs)
     from kvzap_export.bench.timing import machine
     from kvzap_export.errors import ConfigError
     from kvzap_export.validate.engine_level import engine_python
@@ -71,9 +71,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
             raise ConfigError(f"{name} {value}: must be a positive integer")
     configs = configs or ",".join(DEFAULT_CONFIGS)
     chosen = parse_configs(configs)
-    if not 0 <= shared < prompt_tokens:
-        raise ConfigError(f"--shared-prefix-tokens {shared}: must be at least 0 and below --prompt-tokens {prompt_tokens} "
-                          "(each request needs a distinct part)")
+    check_shared_prefix(shared, prompt_tokens)
     if shared and "dense-radix" not in chosen:
         raise ConfigError(f"--shared-prefix-tokens {shared} with --configs {configs}: add dense-radix (prompts that share "
                           "a prefix are served best by dense SGLang with its radix cache: the baseline to beat)")
