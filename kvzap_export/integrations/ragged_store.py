@@ -19,7 +19,7 @@ first entry and given back at its release, so the tables follow the requests hel
 
 - ``ids`` int32 [slots, L, H, width]: each (request, layer, head)'s entry ids in ascending logical positions
   (columns past the row's length are 0, a valid id, so gathers of padding read something harmless); slots and
-  width double on demand (width up to the longest row held);
+  width grow on demand, by a quarter at a time (width up to the longest row held so far; they never shrink);
 - ``lengths`` int32 [slots, L, H] on the pool's device, mirrored on the host (``lengths_host``), so that a
   step's widths are known before its forward without reading the device;
 - ``logical`` (host): tokens appended per request row; ``tested`` (host): positions already decided on.
@@ -35,9 +35,13 @@ logical positions and the first ``sink`` are kept. ``decide_prefill`` tests ever
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvzap_export.errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 def upload(device: torch.device, *parts: torch.Tensor) -> list[torch.Tensor]:
@@ -85,6 +89,7 @@ class RaggedStore:
         self._free_slots = list(range(rows - 1, -1, -1))
         self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
+        self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
@@ -128,12 +133,13 @@ class RaggedStore:
         self._top += count
 
     def _ensure(self, slots: int, width: int) -> None:
-        """Grows the tables to ``slots`` slots and ``width`` columns (doubling; copies once)."""
+        """Grows the tables to at least ``slots`` slots and ``width`` columns, by a quarter at a time (the columns in
+        multiples of 16): they are reserved in the engine's KV budget, so they grow in small steps; copies once."""
         have_slots, have_width = self.ids.shape[0], self.ids.shape[-1]
         if slots <= have_slots and width <= have_width:
             return
-        new_slots = max(slots, have_slots if slots <= have_slots else 2 * have_slots)
-        new_width = max(width, have_width if width <= have_width else 2 * have_width)
+        new_slots = have_slots if slots <= have_slots else max(slots, -(-5 * have_slots // 4))
+        new_width = have_width if width <= have_width else -(-max(width, 5 * have_width // 4) // 16) * 16
         L, H = self.num_layers, self.num_kv_heads
         ids = self.ids.new_zeros(new_slots, L, H, new_width)
         ids[:have_slots, :, :, :have_width] = self.ids
@@ -142,6 +148,11 @@ class RaggedStore:
         host = self.lengths_host.new_zeros(new_slots, L, H)
         host[:have_slots] = self.lengths_host
         self.ids, self.lengths, self.lengths_host = ids, lengths, host
+        if self.table_budget is not None and ids.numel() * ids.element_size() > self.table_budget:
+            log.warning("ragged KV store: the row tables (%d rows x %d columns, %.1f MB) outgrew the %.1f MB reserved "
+                        "for them in the KV budget", new_slots, new_width, ids.numel() * ids.element_size() / 2**20,
+                        self.table_budget / 2**20)
+            self.table_budget = None  # once
         self._free_slots = list(range(new_slots - 1, have_slots - 1, -1)) + self._free_slots
 
     def slots_host(self, rows: list[int]) -> torch.Tensor:

@@ -148,6 +148,9 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
               "kv_held": held, "kv_dense": dense_total, "freed_fraction": 1.0 - held / dense_total if dense_total else None,
               "compares": "SGLang greedy tokens (plugin loaded by its entry point) vs kvpress DMSPress(KVzapPress) greedy "
                           f"tokens computed with transformers and stored in the bundle; KV held read from {source}"}
+    budgets = [r["reading"]["kv_budget"] for r in raw["results"] if (r["reading"] or {}).get("kv_budget")]
+    if budgets:  # ragged mode: SGLang's KV budget and what the per-head pool takes of it
+        result["kv_budget"] = budgets[-1]
     if status == "skipped":
         result["reason"] = (f"no kvpress reference for {len(rows) - len(referenced)} of {len(rows)} runs "
                             "(prompts the model level did not store): tokens reported, not compared")
@@ -241,6 +244,10 @@ def write_engine_report(bundle: Path, result: dict) -> Path:
     resolved = (result.get("engine_info") or {}).get("resolved")
     if resolved:  # what SGLang made of its defaults on this machine (its chunk size, the radix cache, overlap)
         lines += ["SGLang's settings as it resolved them: " + ", ".join(f"`{k}={v}`" for k, v in resolved.items()), ""]
+    budget = result.get("kv_budget")
+    if budget:  # ragged mode: the per-head pool and its bookkeeping inside the KV budget SGLang profiled
+        parts = ", ".join(f"{part.replace('_', ' ')} {size / 2**30:.3f}" for part, size in budget.items() if part != "budget")
+        lines += [f"SGLang's KV budget {budget['budget'] / 2**30:.3f} GB holds the per-head pool (GB): {parts}.", ""]
     if result.get("reason"):
         lines += [f"Not passed: {result['reason']}.", ""]
     if result.get("error"):

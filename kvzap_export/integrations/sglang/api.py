@@ -169,6 +169,11 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._build_token_to_kv_pool_allocator",
             "method", ("self", "sizes", "token_to_kv_pool", "is_dsv4_model", "req_to_token_pool")),
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "_PoolSizes.max_total_num_tokens", "field"),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.config_from_budget", "method",
+            ("self", "budget_bytes")),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.model_config", "field"),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.kv_cache_dtype", "field"),
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.device", "field"),
     ApiName("sglang.srt.beam_search.coordinator", "BeamCoordinator.validate_and_init", "method", ("self", "req", "recv_req")),
     ApiName(_POOL, "NoOpMHATokenToKVPool", "class"),
     # ragged mode's decode CUDA graphs (DecodeCudaGraphRunner calls these on the backend)
@@ -210,6 +215,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.req_to_token_pool", "field"),
     ApiName("sglang.srt.model_executor.model_runner", "ModelRunner.model_config", "field"),
     ApiName("sglang.srt.configs.model_config", "ModelConfig.num_attention_heads", "field"),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.head_dim", "field"),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.v_head_dim", "field"),
     # the offline engine the driver runs (validate --engine, bench --engine)
     ApiName("sglang", "Engine", "name"),
     ApiName("sglang.srt.entrypoints.engine", "Engine.generate", "method", ("self", "prompt", "sampling_params", "input_ids")),

@@ -36,6 +36,7 @@ from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.ragged_decode import ENV as ENV_DECODE
 from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_path, write_entries
+from kvzap_export.integrations.sglang.ragged_budget import current_plan
 from kvzap_export.integrations.sglang.ragged_pool import built_store, current_store
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 
@@ -191,8 +192,12 @@ class RaggedKVzapSGLang(KVzapSGLang):
         if store is None:
             return {}
         if idx is None:  # read from the free list
-            return {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
-                    "rows": len(store.logical)}
+            out = {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
+                   "rows": len(store.logical)}
+            budget = current_plan()
+            if budget is not None:  # SGLang's KV budget and the bytes of each part of the pool sized within it
+                out["kv_budget"] = {"budget": budget.budget, **budget.split(store.capacity)}
+            return out
         return {"row_head_slots": store.row_held(idx)}
 
     def extra_bytes(self) -> dict:
@@ -357,13 +362,15 @@ def _triton_decode() -> bool:
 def register(register_hook, kind, one_line) -> None:
     """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process (``one_line``: the
     plugin's wrapper that turns a ``KvzapError`` into a one-line exit)."""
-    from kvzap_export.integrations.sglang import ragged_pool
+    from kvzap_export.integrations.sglang import ragged_budget, ragged_pool
 
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
     register_hook(api("SRTPlatform.get_kv_pool_cls").target, ragged_pool.pool_class_hook, kind.AROUND)
     register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target,
                   one_line(ragged_pool.allocator_hook), kind.AROUND)
+    register_hook(api("KVCacheConfigurator.config_from_budget").target, one_line(ragged_budget.budget_hook),
+                  kind.AROUND)
     register_hook(api("BeamCoordinator.validate_and_init").target, ragged_pool.beam_hook, kind.AROUND)
     backend = backend_class()
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))

@@ -11,11 +11,12 @@ import torch
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.sglang.api import sglang_module
+from kvzap_export.integrations.sglang.ragged_budget import current_plan
 
 log = logging.getLogger(__name__)
 
-INITIAL_WIDTH = 256  # row-table columns to start with (doubled on demand, up to the longest row held)
-INITIAL_ROWS = 16  # row tables to start with (doubled on demand, up to the requests held at once)
+INITIAL_WIDTH = 256  # row-table columns to start with (grown by a quarter on demand, up to the longest row held)
+INITIAL_ROWS = 16  # row tables to start with (grown by a quarter on demand, up to the requests held at once)
 _STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
 
 
@@ -104,9 +105,16 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
     allocator.dense_tokens = tokens
     pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
     _STORE = store
-    # SGLang checks at idle that the allocator's free count equals its max_total_num_tokens, so the store holds the
-    # dense count of entries; its scores, free list and row tables (and the decode buffers on a GPU) come on top
-    log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with scores "
-             "and row tables, outside SGLang's K/V budget; logical slot ids grow with what KVzap frees",
-             store.capacity, tokens, layers, heads, pool.mem_usage)
+    budget = current_plan()
+    if budget is None:  # SGLang sized the pool without its budget path (a caller's fixed pool config)
+        log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with "
+                 "scores and row tables; SGLang's pool was not sized from a KV budget",
+                 store.capacity, tokens, layers, heads, pool.mem_usage)
+    else:
+        # SGLang checks at idle that the allocator's free count equals its max_total_num_tokens, so the store holds
+        # the dense count of entries; its bookkeeping was taken off the budget SGLang sized them with
+        store.table_budget = max(budget.split(store.capacity)["row_tables"],  # at least the first tables (tiny pools)
+                                 store.ids.numel() * store.ids.element_size())
+        log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads) take %s",
+                 store.capacity, tokens, layers, heads, budget.describe(store.capacity))
     return allocator

@@ -1,0 +1,93 @@
+"""Ragged mode inside SGLang's KV budget: the store's bookkeeping counted in the bytes SGLang sizes its pool with.
+
+SGLang turns its memory profile (``--mem-fraction-static``) into a KV byte budget and divides it by a dense token's
+K/V bytes (``KVCacheConfigurator.config_from_budget``). In ragged mode each of those tokens is ``layers · kv_heads``
+one-head entries of the ``RaggedStore``, and every entry costs more than its K and V:
+
+- its score (the store's dtype), kept until a decision tests it;
+- its slot in the free list (int32);
+- ``TABLE_COLUMNS`` columns of the row tables (int32 ids). The tables hold, for every request row held, as many
+  columns as the longest row: about ``1 / (1 - freed)`` columns per entry of a full pool of like-length requests
+  (freed requests make room for more rows, each as wide as its full length), plus up to a quarter of growth in each
+  dimension. Three columns per entry cover pools whose requests free up to about half of their entries; past that
+  (or many short rows beside one long one) the tables outgrow the reservation and the store warns once;
+- on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64).
+
+The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the budget that leaves room for these:
+``budget · kv / (kv + extras)`` per entry, so the pool SGLang derives plus the bookkeeping fits the budget, and
+``--mem-fraction-static`` means what it says. A ``--max-total-tokens`` cap still applies after (a smaller pool, the
+same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. The row tables never
+shrink (their width follows the longest row held so far), and growing them holds the old and the new tables for the
+copy. The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's
+request rows once they exist) are not in the budget: the backend's launch log states their size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvzap_export.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
+TABLE_COLUMNS = 3  # row-table columns reserved per entry (module docstring)
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Per-entry bytes of the ragged pool and the budget SGLang gave it (``budget`` bytes)."""
+
+    budget: int
+    kv_bytes: int  # K + V of one entry
+    extras: dict[str, int] = field(default_factory=dict)  # per entry, by part
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.kv_bytes + sum(self.extras.values())
+
+    def dense_budget(self) -> int:
+        """The bytes SGLang's sizing is given: what dense K/V of the same entry count would take."""
+        return self.budget * self.kv_bytes // self.entry_bytes
+
+    def split(self, entries: int) -> dict[str, int]:
+        """Bytes of each part for a pool of ``entries`` entries (the tables at their reservation)."""
+        return {"kv": entries * self.kv_bytes, **{name: entries * size for name, size in self.extras.items()}}
+
+    def describe(self, entries: int) -> str:
+        parts = self.split(entries)
+        gb = lambda n: f"{n / 2**30:.3f}"  # noqa: E731
+        rest = ", ".join(f"{name.replace('_', ' ')} {gb(size)}" for name, size in parts.items() if name != "kv")
+        return (f"{gb(sum(parts.values()))} of SGLang's {gb(self.budget)} GB KV budget: K/V {gb(parts['kv'])}, {rest} "
+                f"({self.entry_bytes} bytes per entry, {self.kv_bytes} of them K/V)")
+
+
+def plan(budget_bytes: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, flattened_decode: bool) -> BudgetPlan:
+    size = torch.empty(0, dtype=dtype).element_size()
+    extras = {"scores": size, "free_list": 4, "row_tables": 4 * TABLE_COLUMNS}
+    if flattened_decode:
+        extras["decode_indices"] = 8
+    return BudgetPlan(int(budget_bytes), (head_dim + v_head_dim) * size, extras)
+
+
+def current_plan() -> BudgetPlan | None:
+    return _PLAN
+
+
+def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator.config_from_budget``: SGLang sizes the pool with the budget less the entries'
+    bookkeeping (module docstring)."""
+    global _PLAN
+    from kvzap_export.integrations.sglang.ragged_decode import decode_path
+
+    if kwargs.get("cap_tokens") is not None:  # SGLang's post-capture resize of an existing pool (not the launch's)
+        raise ConfigError("KVzap ragged mode does not support SGLang's post-capture KV sizing (it resizes a pool the "
+                          "ragged store replaces); unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+    model = configurator.model_config
+    device = torch.device(configurator.device)
+    _PLAN = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
+                 decode_path(device) == "flattened")
+    return original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
