@@ -17,9 +17,15 @@ Sections (each in try/except: an error is recorded in the JSON and the next sect
   rotary embedding): dense (K/V written at the end of a full [B, 8, T, 128] cache, SDPA) vs ragged (one-head K/V
   stores, attention through the flattened kernel, the entry leaving the 128-token window tested against tau), each
   captured in one CUDA graph and replayed; eager times too;
-- replay: 50 steps of the captured ragged step (lengths growing, heads pruned) against the same 50 steps run eagerly
-  from the same starting state: the bookkeeping (ids, lengths, free stack top, next ids) must be equal, the attention
-  and layer outputs and the K/V/score stores within 1e-2 (max abs differences recorded).
+- replay (before parts, so that its check is not cut by the time budget): 50 steps of the captured ragged step
+  (lengths growing, heads pruned) against the same 50 steps run eagerly from the same starting state: the bookkeeping
+  (ids, lengths, free stack top, next ids) must be equal, the attention and layer outputs and the K/V/score stores
+  within 1e-2 (max abs differences recorded);
+- parts: the same layer step cut into its parts (front: norm and QKV; K/V write, ragged with the rows' append;
+  scoring: the surrogate and its score write, ragged only; attention: SDPA over the whole cache vs SGLang's kernel
+  over the flattened rows, its layout fill included; back: O, norm and FFN; decisions: the window test, removal and
+  free stack, ragged only), each captured alone in a CUDA graph and timed (batch 16 x 32k, pruned 0.7 and 0.4), the
+  kernel named per row.
 
 The flattened kernel's default configuration (the one the targets read): split policy "proportional", at most
 ``SPLITS`` = 32 splits per row (``kernels/flattened_attention.py``). Rows past ``--budget-s`` seconds are skipped
@@ -48,13 +54,14 @@ import torch.nn.functional as F  # noqa: E402
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
 from kvzap_export.bench.ragged_step import (  # noqa: E402
-    Layer, RaggedState, dense_step, kept_lengths, pool_layout, ragged_step)
+    Layer, RaggedState, dense_step, kept_lengths, pool_layout, ragged_decide, ragged_score, ragged_step, ragged_write)
 
 ATTENTION_GRID = [(b, t, p) for b in (1, 16, 64) for t in (4096, 32768) for p in (0.4, 0.7)]
 OLD_KERNEL_ROWS = {(1, 32768, 0.7), (16, 32768, 0.7), (64, 4096, 0.7)}
 SWEEP_ROWS = {(1, 32768, 0.7): [("max", 32), ("proportional", 64), ("max", 64)],
               (16, 32768, 0.7): [("max", 32), ("proportional", 64)], (16, 32768, 0.4): [("max", 32)]}
 LAYER_GRID = [(16, 32768, 0.4), (16, 32768, 0.7), (1, 32768, 0.7), (64, 4096, 0.7), (1, 32768, 0.4), (64, 4096, 0.4)]
+PARTS_GRID = [(16, 32768, 0.7), (16, 32768, 0.4)]  # the layer step's parts, each in its own graph
 TARGETS = [("attention", 16, 32768, 0.7, 0.5), ("attention", 16, 32768, 0.4, 0.8), ("attention", 1, 32768, 0.7, 1.0),
            ("layer", 16, 32768, 0.7, 0.65), ("layer", 16, 32768, 0.4, 0.95)]
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
@@ -101,7 +108,7 @@ class Bench:
         self.measure = timer(self.flush, args.warmup, args.reps)
         self.started = time.perf_counter()
         self.report = {"device": self.device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                       "kernel_source": kernels.source.as_dict(), "exactness": [], "attention": [], "layer": [],
+                       "kernel_source": kernels.source.as_dict(), "exactness": [], "attention": [], "layer": [], "parts": [],
                        "replay": None, "targets": [], "errors": [], "skipped": []}
 
     def over_budget(self) -> bool:
@@ -232,6 +239,47 @@ class Bench:
             del kd, vd, st, flat, dense_graph, ragged_graph
             release()
 
+    def parts(self):
+        """One layer's decode step cut into its parts, each captured alone in a CUDA graph and timed, dense and ragged:
+        front (norm, QKV), K/V write (ragged: and the rows' append), scoring (the surrogate and its score write; ragged
+        only), attention (dense: SDPA over the whole cache; ragged: SGLang's kernel over the flattened rows), back (O,
+        norm, FFN), decisions (ragged only: the entry leaving the window tested, removed, the free stack pushed and
+        popped). Every part reads static inputs made by one eager pass; the ragged state has room for every call."""
+        layer = Layer(seed=5)
+        for batch, seq, pruned in PARTS_GRID:
+            if self.over_budget():
+                self.report["skipped"].append(f"parts batch {batch} T {seq} pruned {pruned}: time budget")
+                continue
+            g = torch.Generator(device=model.DEVICE).manual_seed(9)
+            kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
+                             dtype=model.DTYPE)
+            vd = torch.randn_like(kd)
+            st, flat, x = self.ragged_setup(batch, seq, pruned, 10)
+            h, q, k, v = layer.front(x)
+            grouped = q.reshape(batch, model.KV_HEADS, -1, model.HEAD_DIM)
+            attn = flat(q, st.k, st.v, st.ids, st.lengths, layer.scale)
+
+            def dense_write():
+                kd[:, :, -1] = k
+                vd[:, :, -1] = v
+
+            common = {"front": lambda: layer.front(x), "back": lambda: layer.back(x, attn.reshape(batch, -1))}
+            dense = {**common, "kv_write": dense_write,
+                     "attention": lambda: F.scaled_dot_product_attention(grouped, kd, vd, scale=layer.scale)}
+            # attention first (before kv_write appends to the rows); it includes the layout fill (kv_indptr, kv_indices)
+            ragged = {"attention": lambda: flat(q, st.k, st.v, st.ids, st.lengths, layer.scale), **common,
+                      "scoring": lambda: ragged_score(layer, st, h), "kv_write": lambda: ragged_write(st, k, v),
+                      "decisions": lambda: ragged_decide(st, self.args.tau)}
+            for mode, parts in (("dense", dense), ("ragged", ragged)):
+                for part, fn in parts.items():
+                    graph, _ = graphed(fn)
+                    self.report["parts"].append(self.row(
+                        kernel="sdpa-dense" if mode == "dense" else "sglang-flattened", mode=mode, part=part,
+                        batch=batch, seq=seq, pruned=pruned, graph_us=self.measure(graph.replay) * 1e6))
+                    del graph
+            del kd, vd, st, flat
+            release()
+
     def replay(self):
         """The captured ragged step replayed ``steps`` times vs the same steps eagerly on a copy of the state."""
         layer = Layer(seed=3)
@@ -290,7 +338,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tau", type=float, default=0.0, help="threshold of the layer step's decisions")
     parser.add_argument("--budget-s", type=float, default=110.0, help="skip remaining rows past this many seconds")
-    parser.add_argument("--only", default="exactness,attention,layer,replay")
+    parser.add_argument("--only", default="exactness,attention,layer,replay,parts")
     return parser.parse_args(argv)
 
 
@@ -309,6 +357,9 @@ def print_report(report):
         print(f"layer b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} graphed dense {row['dense_graph_us']:.0f} us "
               f"ragged {row['ragged_graph_us']:.0f} us x{row['ratio']:.2f}; eager {row['dense_eager_us']:.0f} / "
               f"{row['ragged_eager_us']:.0f} us")
+    for row in report.get("parts", []):
+        print(f"part  b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} {row['mode']:<6} {row['part']:<10} "
+              f"{row['graph_us']:9.1f} us (graphed, {row['kernel']})")
     if report["replay"]:
         print(f"replay {report['replay']}")
     for target in report["targets"]:

@@ -17,7 +17,8 @@
 #   5. scripts/bench_kernels.py (fused compaction and K/V move vs the torch reference);
 #   6. kvzap-export bench --device cuda (scoring, compaction, overhead vs an attention block);
 #   7. scripts/bench_ragged_decode.py (ragged decode attention: ours vs SDPA over every and over the kept entries,
-#      Llama-3.1-8B decode shapes; one decoder layer's decode step in CUDA graphs, dense vs ragged).
+#      Llama-3.1-8B decode shapes; one decoder layer's decode step in CUDA graphs, dense vs ragged, and its parts -
+#      front, K/V write, scoring, attention, back, decisions - each in its own graph, naming the kernel).
 # Then scripts/gpu_check_summary.py writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.md (every figure with the
 # device name) and sets the exit status: 0 when every check passed, 1 when one failed, 3 when nothing failed but a
 # step did not run (its time ran out, a tool is missing), 2 for usage or no GPU. Performance targets are reported

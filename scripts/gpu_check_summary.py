@@ -153,13 +153,13 @@ def _bench_figures(data: dict | None, device: str) -> tuple[list[dict], list[dic
 
 
 def _ragged(data: dict | None, device: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """scripts/bench_ragged_decode.py's report: its rows (exactness, attention, layer step, replay), its exactness
-    and replay checks, its sections that raised (failures), its targets."""
+    """scripts/bench_ragged_decode.py's report: its rows (exactness, attention, layer step, the step's parts, replay),
+    its exactness and replay checks, its sections that raised (failures), its targets."""
     if not data:
         return [], [], []
     replay = [data["replay"]] if data.get("replay") else []
     figures = [{"source": f"bench_ragged_decode.py {section}", **row, "device": row.get("device", device)}
-               for section in ("exactness", "attention", "layer") for row in data.get(section, [])]
+               for section in ("exactness", "attention", "layer", "parts") for row in data.get(section, [])]
     figures += [{"source": "bench_ragged_decode.py replay", **row, "device": row.get("device", device)} for row in replay]
     checks = [{"check": f"ragged exactness: {r.get('kernel')} vs the float32 formula",
                "status": "passed" if r.get("passed") else "failed",

@@ -136,21 +136,27 @@ class RaggedState:
             t.copy_(getattr(other, name))
 
 
-def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float):
-    """One decode step of the ragged mode (see the module docstring); ``attend(q, k, v, ids, lengths, scale)``."""
-    h, q, k, v = layer.front(x)
+def ragged_write(st: RaggedState, k, v) -> None:
+    """The token's K/V written at its preallocated entries, its row entries appended (lengths + 1)."""
     B, H, D = k.shape
     fresh = st.fresh.view(-1).to(torch.int64)
     st.k.index_copy_(0, fresh, k.reshape(B * H, D))
     st.v.index_copy_(0, fresh, v.reshape(B * H, D))
-    st.scores.index_copy_(0, fresh, layer.scores(h).reshape(-1).to(st.scores.dtype))
     st.ids.scatter_(2, st.lengths.to(torch.int64)[..., None], st.fresh[..., None])  # append the token
     st.lengths.add_(1)
-    attn = attend(q, st.k, st.v, st.ids, st.lengths, layer.scale)
-    out = layer.back(x, attn.reshape(B, -1))
-    # the entry that left the window: row index length - window - 1 (undecided entries are all held)
+
+
+def ragged_score(layer: Layer, st: RaggedState, h) -> None:
+    """The surrogate's scores of the token, written at its entries (the scoring hook's work)."""
+    fresh = st.fresh.view(-1).to(torch.int64)
+    st.scores.index_copy_(0, fresh, layer.scores(h).reshape(-1).to(st.scores.dtype))
+
+
+def ragged_decide(st: RaggedState, tau: float) -> None:
+    """The entry that left the window (row index length - window - 1; undecided entries are all held) tested against
+    tau and removed from its row if evicted; evicted ids pushed on the free stack, the next step's ids popped."""
     start = st.lengths.to(torch.int64) - WINDOW - 1
-    columns = start.clamp(min=0)[..., None] + torch.arange(WINDOW + 1, device=x.device)
+    columns = start.clamp(min=0)[..., None] + torch.arange(WINDOW + 1, device=st.ids.device)
     tail = st.ids.gather(2, columns)
     candidate = tail[..., 0]
     evict = (st.scores[candidate.to(torch.int64)] < tau) & (start >= 0)
@@ -162,4 +168,14 @@ def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float):
     st.free.index_put_((where,), candidate.view(-1))
     st.top.add_(gone.sum())
     st._pop()
+
+
+def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float):
+    """One decode step of the ragged mode (see the module docstring); ``attend(q, k, v, ids, lengths, scale)``."""
+    h, q, k, v = layer.front(x)
+    ragged_write(st, k, v)
+    ragged_score(layer, st, h)
+    attn = attend(q, st.k, st.v, st.ids, st.lengths, layer.scale)
+    out = layer.back(x, attn.reshape(k.shape[0], -1))
+    ragged_decide(st, tau)
     return out

@@ -49,7 +49,9 @@ class ReplayedByCalling:
         self.fn, self.out = fn, out
 
     def replay(self):
-        self.out.copy_(self.fn())
+        result = self.fn()
+        if isinstance(self.out, torch.Tensor):  # a part of the step returns nothing, or a tuple (the layer's front)
+            self.out.copy_(result)
 
 
 @INTERPRETED
@@ -71,7 +73,7 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     # the script's own: its grids, cases, targets, split setting and L2 flush size
     for name, value in dict(FLUSH_BYTES=1024, ATTENTION_GRID=[(2, 512, 0.4), (2, 512, 0.7)],
                             OLD_KERNEL_ROWS={(2, 512, 0.7)}, SWEEP_ROWS={(2, 512, 0.7): [("max", 4)]}, SPLITS=2,
-                            LAYER_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4), REPLAY_CASE=(2, 512, 0.7, 4),
+                            LAYER_GRID=[(2, 512, 0.7)], PARTS_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4), REPLAY_CASE=(2, 512, 0.7, 4),
                             TARGETS=[("attention", 2, 512, 0.7, 0.5), ("layer", 2, 512, 0.7, 0.65)]).items():
         monkeypatch.setattr(bench, name, value)
     assert bench.model is ragged_step  # the script reads the values set above
@@ -97,8 +99,13 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     kernels = [(r["kernel"], r["pruned"]) for r in report["attention"]]
     assert kernels == [("sdpa-dense", 0.0), ("sdpa-kept", 0.4), ("sglang-flattened", 0.4), ("sdpa-kept", 0.7),
                        ("sglang-flattened", 0.7), ("sglang-flattened", 0.7), ("triton-ragged (ours)", 0.7)]
-    rows = report["attention"] + report["layer"] + report["exactness"] + [report["replay"]]
+    rows = report["attention"] + report["layer"] + report["parts"] + report["exactness"] + [report["replay"]]
     assert all(r["device"] == "cpu (test)" and r["kernel"] for r in rows)
+    parts = {(r["mode"], r["part"]): r for r in report["parts"]}
+    common = {"front", "kv_write", "attention", "back"}
+    assert set(parts) == {("dense", p) for p in common} | {("ragged", p) for p in common | {"scoring", "decisions"}}
+    assert all(r["graph_us"] > 0 and r["kernel"] == {"dense": "sdpa-dense", "ragged": "sglang-flattened"}[r["mode"]]
+               and (r["batch"], r["seq"], r["pruned"]) == (2, 512, 0.7) for r in parts.values())
     assert report["replay"]["passed"] and report["replay"]["bookkeeping_equal"]
     assert report["replay"]["evicted_fraction"] > 0  # heads were pruned during the replayed steps
     assert [t["name"].split(":")[0] for t in report["targets"]] == ["attention batch 2 T 512 pruned 0.7",
