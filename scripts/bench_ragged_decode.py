@@ -215,17 +215,24 @@ class Bench:
         x = torch.randn(batch, model.HIDDEN, device=model.DEVICE, generator=g).to(model.DTYPE)
         return st, flat, x
 
+    def layer_case(self, section, batch, seq, pruned, seed):
+        """A dense cache [B, 8, T, 128] (K, V) and a ragged state for one row of ``section``; None (recorded as
+        skipped) past the time budget."""
+        if self.over_budget():
+            self.report["skipped"].append(f"{section} batch {batch} T {seq} pruned {pruned}: time budget")
+            return None
+        g = torch.Generator(device=model.DEVICE).manual_seed(seed)
+        kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
+                         dtype=model.DTYPE)
+        return (kd, torch.randn_like(kd), *self.ragged_setup(batch, seq, pruned, seed + 1))
+
     def layer(self):
         layer = Layer()
         for batch, seq, pruned in LAYER_GRID:
-            if self.over_budget():
-                self.report["skipped"].append(f"layer batch {batch} T {seq} pruned {pruned}: time budget")
+            case = self.layer_case("layer", batch, seq, pruned, 7)
+            if case is None:
                 continue
-            g = torch.Generator(device=model.DEVICE).manual_seed(7)
-            kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
-                             dtype=model.DTYPE)
-            vd = torch.randn_like(kd)
-            st, flat, x = self.ragged_setup(batch, seq, pruned, 8)
+            kd, vd, st, flat, x = case
             dense_fn = lambda: dense_step(layer, kd, vd, x)  # noqa: E731
             ragged_fn = lambda: ragged_step(layer, st, x, flat, self.args.tau)  # noqa: E731
             dense_eager, ragged_eager = self.measure(dense_fn), self.measure(ragged_fn)
@@ -247,14 +254,10 @@ class Bench:
         popped). Every part reads static inputs made by one eager pass; the ragged state has room for every call."""
         layer = Layer(seed=5)
         for batch, seq, pruned in PARTS_GRID:
-            if self.over_budget():
-                self.report["skipped"].append(f"parts batch {batch} T {seq} pruned {pruned}: time budget")
+            case = self.layer_case("parts", batch, seq, pruned, 9)
+            if case is None:
                 continue
-            g = torch.Generator(device=model.DEVICE).manual_seed(9)
-            kd = torch.randn(batch, model.KV_HEADS, seq, model.HEAD_DIM, device=model.DEVICE, generator=g,
-                             dtype=model.DTYPE)
-            vd = torch.randn_like(kd)
-            st, flat, x = self.ragged_setup(batch, seq, pruned, 10)
+            kd, vd, st, flat, x = case
             h, q, k, v = layer.front(x)
             grouped = q.reshape(batch, model.KV_HEADS, -1, model.HEAD_DIM)
             attn = flat(q, st.k, st.v, st.ids, st.lengths, layer.scale)
