@@ -195,8 +195,8 @@ class RaggedKVzapSGLang(KVzapSGLang):
             out = {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
                    "rows": len(store.logical)}
             budget = current_plan()
-            if budget is not None:  # SGLang's KV budget and the bytes of each part of the pool sized within it
-                out["kv_budget"] = {"budget": budget.budget, **budget.split(store.capacity)}
+            if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated
+                out["kv_budget"] = budget.against(store.nbytes(), store.capacity)
             return out
         return {"row_head_slots": store.row_held(idx)}
 

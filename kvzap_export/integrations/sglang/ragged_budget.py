@@ -50,12 +50,22 @@ class BudgetPlan:
         return self.kv_bytes + sum(self.extras.values())
 
     def dense_budget(self) -> int:
-        """The bytes SGLang's sizing is given: what dense K/V of the same entry count would take."""
-        return self.budget * self.kv_bytes // self.entry_bytes
+        """The bytes SGLang's sizing is given: what dense K/V of the same entry count would take (one entry's bytes
+        kept back for the store's scratch row and spare free-list slot)."""
+        return max(self.budget - self.entry_bytes, 0) * self.kv_bytes // self.entry_bytes
 
     def split(self, entries: int) -> dict[str, int]:
         """Bytes of each part for a pool of ``entries`` entries (the tables at their reservation)."""
         return {"kv": entries * self.kv_bytes, **{name: entries * size for name, size in self.extras.items()}}
+
+    def against(self, allocated: dict[str, int], entries: int) -> dict[str, int]:
+        """The budget beside what a store of ``entries`` entries allocated (``RaggedStore.nbytes()``: K, V, scores,
+        free list; scratch row included) and the parts that grow later at their reservation (row tables, decode
+        indices)."""
+        reserved = self.split(entries)
+        return {"budget": self.budget, "kv": allocated["k"] + allocated["v"], "scores": allocated["scores"],
+                "free_list": allocated["free_list"],
+                **{f"{name}_reserved": size for name, size in reserved.items() if name in ("row_tables", "decode_indices")}}
 
     def describe(self, entries: int) -> str:
         parts = self.split(entries)

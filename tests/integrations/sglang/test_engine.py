@@ -119,7 +119,7 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
     if which == "smollm2":  # τ = -4, where one count per request frees 0%: per-head storage frees a third or more
         assert result["freed_fraction"] > 0.3
     # SGLang sized the pool from its memory profile (--mem-fraction-static 0.5 on the CPU) with the budget less the
-    # store's bookkeeping: the entries' K/V, scores, free list and the tables' reservation fit inside that budget
+    # store's bookkeeping: what the store allocated (K/V, scores, free list) and the tables' reservation fit in it
     budget = result["kv_budget"]
     assert 0 < sum(size for part, size in budget.items() if part != "budget") <= budget["budget"]
 

@@ -27,6 +27,8 @@ def dense_tokens(budget: int, kv_bytes: int) -> int:
 
 @pytest.mark.parametrize("dtype,flattened", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 def test_the_pool_sized_from_the_handed_budget_and_its_bookkeeping_fit_the_budget(dtype, flattened):
+    """SGLang's sizing (modelled) on the handed budget, then a real store of that size: what the store allocates (K,
+    V, scores, free list, its scratch row and spare slot) plus the reserved parts fits the budget, tightly."""
     budget = 10_000_000
     p = plan(budget, DIM, DIM, dtype, flattened)
     size = torch.empty(0, dtype=dtype).element_size()
@@ -34,23 +36,32 @@ def test_the_pool_sized_from_the_handed_budget_and_its_bookkeeping_fit_the_budge
     tables = 4 * ragged_budget.TABLE_COLUMNS
     assert p.extras == {"scores": size, "free_list": 4, "row_tables": tables, **({"decode_indices": 8} if flattened else {})}
     entries = dense_tokens(p.dense_budget(), p.kv_bytes) * LAYERS * HEADS
-    used = sum(p.split(entries).values())
-    assert used <= budget
-    assert budget - used < LAYERS * HEADS * p.entry_bytes  # tight: less than one more token would take
+    store = RaggedStore(entries, LAYERS, HEADS, DIM, rows=1, width=1, dtype=dtype)
+    report = p.against(store.nbytes(), entries)
+    used = sum(v for part, v in report.items() if part != "budget")
+    assert report["budget"] == budget and used <= budget
+    assert budget - used < (LAYERS * HEADS + 1) * p.entry_bytes  # tight: less than one more token (and the scratch)
     assert entries < dense_tokens(budget, p.kv_bytes) * LAYERS * HEADS  # SGLang alone would have sized more
 
 
-def test_the_plans_per_entry_bytes_are_what_the_store_allocates():
-    p = plan(1 << 20, DIM, DIM, torch.bfloat16, False)
+def test_the_plans_per_entry_bytes_are_what_the_store_and_the_decode_buffers_allocate():
+    from kvzap_export.kernels.flattened_step import FlattenedStep
+
+    p = plan(1 << 20, DIM, DIM, torch.bfloat16, True)
     entries = 600
     store = RaggedStore(entries, LAYERS, HEADS, DIM, rows=1, width=1, dtype=torch.bfloat16)
     got, want = store.nbytes(), p.split(entries)
     assert got["k"] + got["v"] == want["kv"] + p.kv_bytes  # the store's scratch row past the entries
     assert got["scores"] == want["scores"] + p.extras["scores"]
     assert got["free_list"] == want["free_list"] + p.extras["free_list"]  # the spare slot
-    # TABLE_COLUMNS table columns for every entry: the tables at that size take the reserved bytes
-    ids = torch.zeros(entries // (LAYERS * HEADS), LAYERS, HEADS, ragged_budget.TABLE_COLUMNS, dtype=store.ids.dtype)
-    assert ids.numel() * ids.element_size() == want["row_tables"]
+    # the decode step's kv_indices (the flattened CUDA path), one past the entries
+    step = FlattenedStep(LAYERS, 1, HEADS, 1, DIM, entries, dtype=torch.bfloat16, device="cpu", kernels=object(),
+                         use_triton=False)
+    assert step.kv_indices.numel() * step.kv_indices.element_size() == want["decode_indices"] + 8
+    # tables as wide as TABLE_COLUMNS columns for each token's (layer, head) entries take the reserved bytes
+    wide = RaggedStore(entries, LAYERS, HEADS, DIM, rows=entries // (LAYERS * HEADS),
+                       width=ragged_budget.TABLE_COLUMNS, dtype=torch.bfloat16)
+    assert wide.ids.numel() * wide.ids.element_size() == want["row_tables"]
 
 
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
