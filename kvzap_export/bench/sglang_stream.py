@@ -12,9 +12,9 @@ first, and the fastest is the baseline's; with prompts that share a prefix, the 
 cache on ("dense, radix": the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run
 with the radix cache off (ragged mode does not share pruned prefixes yet: docs/ragged-kv.md). "Ragged, KVzap off" is
 the ragged mode's storage and attention with every request asking for KVzap off: it holds every entry, as dense
-does, so what it gains over dense is the implementation, and what ragged gains over it is the memory KVzap freed. "Ragged at dense's concurrency" caps the
-ragged mode at the requests the baseline ran at once in that round (``--max-running-requests``), so that its decode
-step is timed at the baseline's batch size.
+does, so what it gains over dense is the implementation, and what ragged gains over it is the memory KVzap freed.
+"Ragged at dense's concurrency" caps the ragged mode at the requests the baseline ran at once in that round
+(``--max-running-requests``), so that its decode step is timed at the baseline's batch size.
 """
 
 from __future__ import annotations

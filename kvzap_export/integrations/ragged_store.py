@@ -113,6 +113,10 @@ class RaggedStore:
         return {"k": size(self.k), "v": size(self.v), "scores": size(self.scores), "row_tables": size(self.ids) + size(self.lengths)
                 + size(self.lengths_host), "free_list": size(self._free)}
 
+    def table_bytes(self) -> int:
+        """Bytes of the row tables' ids (what grows with the rows held and their width)."""
+        return self.ids.numel() * self.ids.element_size()
+
     def _take(self, n: int) -> torch.Tensor:
         if n > self._top:
             raise StoreFull(f"ragged KV store: {n} entries asked, {self._top} free of {self.capacity}")
@@ -148,9 +152,9 @@ class RaggedStore:
         host = self.lengths_host.new_zeros(new_slots, L, H)
         host[:have_slots] = self.lengths_host
         self.ids, self.lengths, self.lengths_host = ids, lengths, host
-        if self.table_budget is not None and ids.numel() * ids.element_size() > self.table_budget:
+        if self.table_budget is not None and self.table_bytes() > self.table_budget:
             log.warning("ragged KV store: the row tables (%d rows x %d columns, %.1f MB) outgrew the %.1f MB reserved "
-                        "for them in the KV budget", new_slots, new_width, ids.numel() * ids.element_size() / 2**20,
+                        "for them in the KV budget", new_slots, new_width, self.table_bytes() / 2**20,
                         self.table_budget / 2**20)
             self.table_budget = None  # once
         self._free_slots = list(range(new_slots - 1, have_slots - 1, -1)) + self._free_slots

@@ -14,24 +14,21 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
 - on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64).
 
 The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the budget that leaves room for these:
-``budget · kv / (kv + extras)`` per entry, so the pool SGLang derives plus the bookkeeping fits the budget, and
-``--mem-fraction-static`` means what it says. A ``--max-total-tokens`` cap still applies after (a smaller pool, the
+``budget · kv / (kv + extras)`` per entry (one entry kept back for the store's scratch row), so the pool SGLang
+derives plus the bookkeeping fits what ``--mem-fraction-static`` gives. A ``--max-total-tokens`` cap still applies after (a smaller pool, the
 same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. The row tables never
 shrink (their width follows the longest row held so far), and growing them holds the old and the new tables for the
-copy. The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's
-request rows once they exist) are not in the budget: the backend's launch log states their size.
+copy. The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's request rows once they exist)
+are not in the budget: the backend's launch log states their size.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvzap_export.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 _PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
 TABLE_COLUMNS = 3  # row-table columns reserved per entry (module docstring)

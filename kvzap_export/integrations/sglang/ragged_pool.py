@@ -113,8 +113,8 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
     else:
         # SGLang checks at idle that the allocator's free count equals its max_total_num_tokens, so the store holds
         # the dense count of entries; its bookkeeping was taken off the budget SGLang sized them with
-        store.table_budget = max(budget.split(store.capacity)["row_tables"],  # at least the first tables (tiny pools)
-                                 store.ids.numel() * store.ids.element_size())
+        # at least the first tables (tiny pools)
+        store.table_budget = max(budget.split(store.capacity)["row_tables"], store.table_bytes())
         log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads) take %s",
                  store.capacity, tokens, layers, heads, budget.describe(store.capacity))
     return allocator
