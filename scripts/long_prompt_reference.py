@@ -1,6 +1,6 @@
 """kvpress's greedy tokens on long prompts, as a bundle the engine level validates against (issue 42: 4k and 7k tokens).
 
-    python scripts/long_prompt_reference.py BUNDLE OUT --model DIR [--tokens 4096,7168] [--new-tokens 32]
+    python scripts/long_prompt_reference.py BUNDLE OUT --model DIR [--tokens 4096,7168 | --radix] [--new-tokens 32]
     kvzap-export validate OUT --engine sglang --engine-mode ragged --model DIR
 
 Copies BUNDLE to OUT (a new directory) and replaces OUT's ``report/reference.json`` with kvpress's masked runs
@@ -35,6 +35,19 @@ def long_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return out
 
 
+def radix_prompts(tokenizer) -> list[list[int]]:
+    """Prompts built to hit SGLang's radix cache when run in order (issue 42), from stretches of the pydoc text: a
+    300-token "system prompt" shared by prompts 1 and 2, its first 40 tokens shared by prompt 3, prompt 1 less its
+    last 5 tokens (a match ending inside prompt 1's window) for prompt 4. Prompt 5 (prompt 1, its answer, a new
+    question) is added by ``main`` once prompt 1's answer is known."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics)))["input_ids"]
+    system, parts = ids[:300], [ids[1000 + 200 * i: 1000 + 200 * i + 60] for i in range(5)]
+    first = system + parts[0]
+    return [first, system + parts[1], system[:40] + parts[2], first[:-5] + parts[3][:20], parts[4][:20]]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="kvpress's greedy tokens on long prompts, as a copy of a bundle "
                                                  "for `validate --engine sglang`.")
@@ -43,6 +56,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", required=True, help="the HF model directory (kvzap-export export-model)")
     parser.add_argument("--tokens", default="4096,7168", help="prompt lengths, comma-separated (default 4096,7168)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--radix", action="store_true",
+                        help="instead of --tokens: prompts that share prefixes, for SGLang's radix cache (shared prefixes "
+                             "of 300 and 40 tokens, a match ending inside an earlier prompt's window, a prompt that "
+                             "extends an earlier prompt and its answer)")
     args = parser.parse_args(argv)
     try:
         lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -66,9 +83,12 @@ def main(argv: list[str]) -> int:
     if context and max(lengths) + args.new_tokens > context:
         parser.exit(2, f"error: --tokens {args.tokens}: {max(lengths)} + {args.new_tokens} new tokens exceeds the model's "
                        f"context of {context}\n")
-    prompts = long_prompts(tokenizer, lengths)
+    prompts = radix_prompts(tokenizer) if args.radix else long_prompts(tokenizer, lengths)
+    tail = prompts.pop() if args.radix else None  # prompt 5's new question, after prompt 1 and its answer
     reference = ref.new_reference(manifest, args.model, "float32", args.new_tokens)
-    for ids in prompts:
+    answers = []
+    while prompts:
+        ids = prompts.pop(0)
         runs = {}
         for decoding in (False, True):
             started = time.perf_counter()
@@ -79,6 +99,9 @@ def main(argv: list[str]) -> int:
             print(f"kvpress, {len(ids)}-token prompt, decoding={decoding}: {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
         ref.add_prompt(reference, f"pydoc topics, {len(ids)} tokens", torch.tensor([ids]), runs)
+        answers.append(torch.as_tensor(runs[False]).reshape(-1).tolist())
+        if tail is not None and len(answers) == 1:  # prompt 1, kvpress's answer to it, a new question
+            prompts.append(ids + answers[0] + tail)
     shutil.copytree(args.bundle, out)
     print(ref.write_reference(out, reference))
     return 0

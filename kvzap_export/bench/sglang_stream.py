@@ -58,16 +58,20 @@ def stream_prompts(tokenizer, count: int, tokens: int, shared: int = 0) -> list[
 
 # The configurations ``--configs`` chooses from: key -> (label, mode, each request's custom_params kvzap, radix cache
 # on, cap on running requests). "dense" and "dense-radix" are SGLang without KVzap (readings only) on the baseline's
-# attention backend, the radix cache off / on; "ragged-off" is the ragged mode's storage and attention with every
+# attention backend, the radix cache off / on; "ragged-radix" is the ragged mode with the radix cache on (its default:
+# prompts' per-head entries shared exactly, docs/ragged-kv.md); "ragged-off" is the ragged mode's storage and attention with every
 # request asking for KVzap off (it holds every entry, as dense does: what it gains over dense is the implementation,
 # what ragged gains over it is KVzap's own share); "ragged-at-dense" caps the ragged mode at the requests the baseline
-# ran at once in that round (its decode step timed at the baseline's batch size).
+# ran at once in that round (its decode step timed at the baseline's batch size); "ragged-radix-off" is "ragged-off"
+# with the radix cache on (KVzap's own share beside "ragged-radix").
 CONFIGS = {
     "dense": ("dense", "dense", "decoding", False, None),
     "dense-radix": ("dense, radix", "dense", "decoding", True, None),
     "evict": ("evict", "evict", "decoding", False, None),
     "ragged": ("ragged", "ragged", "decoding", False, None),
     "ragged-off": ("ragged, KVzap off", "ragged", "off", False, None),
+    "ragged-radix": ("ragged, radix", "ragged", "decoding", True, None),
+    "ragged-radix-off": ("ragged, radix, KVzap off", "ragged", "off", True, None),
     "ragged-at-dense": ("ragged at dense's concurrency", "ragged", "decoding", False, "baseline"),
 }
 DEFAULT_CONFIGS = ("dense", "evict", "ragged", "ragged-off", "ragged-at-dense")
@@ -125,8 +129,7 @@ class StreamBench:
         engine = dict(self.engine, **({"attention_backend": backend} if backend else {}))
         if running:
             engine["max_running_requests"] = running
-        if radix:
-            engine["disable_radix_cache"] = False
+        engine["disable_radix_cache"] = not radix  # whatever the mode's default (ragged mode's is on)
         if overlap:  # SGLang's own default; KVzap's modes need it off
             engine["disable_overlap_schedule"] = False
         return {"model": self.model, "bundle": self.bundle, "mode": mode, "threshold": threshold, "engine": engine,

@@ -58,7 +58,9 @@ def _table(title: str, rows: list[dict]):
 @click.option("--configs", default=",".join(DEFAULT_CONFIGS), show_default=True,
               help="With --engine: the configurations to run, comma-separated: dense, dense-radix (SGLang without "
                    "KVzap, radix cache off / on), evict, ragged, ragged-off (ragged storage, KVzap off: KVzap's own "
-                   "share), ragged-at-dense (ragged capped at the baseline's concurrency). Ratios are taken against "
+                   "share), ragged-radix, ragged-radix-off (the same two with SGLang's radix cache on: prompts' "
+                   "per-head entries shared exactly), ragged-at-dense (ragged capped at the baseline's concurrency; "
+                   "the ragged configurations without 'radix' run the radix cache off). Ratios are taken against "
                    "dense-radix when chosen, else dense.")
 @click.option("--shared-prefix-tokens", default=0, show_default=True, type=int,
               help="With --engine: the first N tokens of every prompt are the same (a shared system prompt), the "

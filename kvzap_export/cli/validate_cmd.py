@@ -45,10 +45,13 @@ import click
                    "verdict unless the reference has their exact token ids).")
 @click.option("--max-new-tokens", default=None, type=int, metavar="N",
               help="With --engine: greedy tokens per prompt (default: as many as the reference holds).")
+@click.option("--chunk-size", default=None, type=click.IntRange(min=1), metavar="N",
+              help="With --engine: SGLang's prefill chunk (--chunked-prefill-size), tokens per chunk; a prompt longer "
+                   "than N is prefilled in several chunks and decided at its last (default: SGLang's own size).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
-             prompts_file, max_new_tokens, quiet, as_json) -> None:
+             prompts_file, max_new_tokens, chunk_size, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -70,6 +73,8 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
     from kvzap_export.errors import ConfigError
 
     levels = parse_levels(require)
+    if chunk_size is not None and engine is None:
+        raise ConfigError(f"--chunk-size {chunk_size}: it sets the serving engine's prefill chunk; add --engine sglang")
     if engine is not None:
         from kvzap_export.cli.engine_report import run_engine_cli
 
@@ -77,7 +82,7 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
             raise ConfigError(f"--require {require}: with --engine only the engine level runs; require engine, or "
                               "validate the other levels without --engine")
         run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet,
-                       as_json, levels)
+                       as_json, levels, chunk_size)
         return
     if "engine" in levels:
         raise ConfigError("--require engine: the engine level runs only with --engine sglang --model DIR; add them, "

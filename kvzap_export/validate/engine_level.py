@@ -27,7 +27,9 @@ from kvzap_export.validate.reference import lookup, read_reference
 ENGINES = ("sglang",)
 ENGINE_MODES = ("mask", "evict", "ragged")
 DEFAULT_NEW_TOKENS = 64
-RUNS = (("off", None), ("prefill", False), ("decoding", True))
+# Each prompt's runs, in this order, each after the last (SGLang's radix cache on in ragged mode: a KVzap run first,
+# so that it takes from the cache what earlier prompts left there, not the whole prompt a run of its own just left)
+RUNS = (("prefill", False), ("decoding", True), ("off", None))
 
 
 def engine_python(given: str | None) -> str:
@@ -125,7 +127,8 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
         row = {"prompt": r["prompt"], "source": sources[r["prompt"]], "prompt_ids": r["prompt_ids"],
                "output_ids": r["output_ids"], "decoding": decoding, "kv_held": kv_held, "kv_dense": kv_dense,
                "freed_fraction": None if not kv_dense or kv_held is None else 1.0 - kv_held / kv_dense,
-               "decided_entries": decided, "matches_reference": None if expected is None else r["output_ids"] == expected,
+               "decided_entries": decided, "cached_tokens": r.get("cached_tokens"),
+               "matches_reference": None if expected is None else r["output_ids"] == expected,
                "dense_output_ids": base["output_ids"] if base else None,
                "reference_differs_from_dense": None if expected is None or base is None else expected != base["output_ids"]}
         if expected is not None and not row["matches_reference"]:
@@ -253,15 +256,17 @@ def write_engine_report(bundle: Path, result: dict) -> Path:
     if result.get("error"):
         lines += [f"Error: {result['error']}", ""]
     if result.get("prompts"):
-        lines += ["| prompt | decoding | tokens vs kvpress | kvpress differs from dense | KV held | KV dense | freed |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| prompt | decoding | tokens vs kvpress | kvpress differs from dense | KV held | KV dense | freed | "
+                  "prompt tokens from SGLang's radix cache |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in result["prompts"]:
             same = {True: "identical", False: f"differ at step {row.get('first_mismatch')}", None: "no reference"}[
                 row["matches_reference"]]
             differs = {True: "yes", False: "no", None: "–"}[row["reference_differs_from_dense"]]
             freed = "–" if row["freed_fraction"] is None else f"{row['freed_fraction']:.1%}"
+            cached = "–" if row.get("cached_tokens") is None else row["cached_tokens"]
             lines.append(f"| {row['prompt'] + 1} | {row['decoding']} | {same} | {differs} | {row['kv_held']} | "
-                         f"{row['kv_dense']} | {freed} |")
+                         f"{row['kv_dense']} | {freed} | {cached} |")
         lines.append("")
     for problem in result.get("problems", []):
         lines.append(f"- ✗ {problem}")

@@ -75,3 +75,20 @@ def test_require_engine_follows_the_engine_level(bundle, monkeypatch, capsys):
     capsys.readouterr()
     assert main([*engine, "--require", "operator"]) == 2
     assert "only the engine level runs" in capsys.readouterr().err
+
+
+def test_chunk_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys):
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
+
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    assert main(["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle),
+                 "--chunk-size", "64", "--json"]) == 0
+    assert seen["engine_args"] == {"chunked_prefill_size": 64}
+    capsys.readouterr()
+    assert main(["validate", str(bundle), "--chunk-size", "64"]) == 2  # without --engine: nothing runs
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--chunk-size 64" in err and "--engine sglang" in err

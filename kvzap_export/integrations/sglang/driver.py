@@ -10,8 +10,9 @@ request's last step belong to that request alone.
 
 Spec: ``{"model", "bundle", "mode", "prompts": [{"input_ids": [...]} | {"text": "..."}], "runs": ["off",
 "prefill", "decoding"], "max_new_tokens", "engine": {extra sglang.Engine keyword arguments}}``.
-Result: ``{"engine": {...}, "results": [{"prompt", "prompt_ids", "run", "output_ids", "reading"}, ...]}``;
-``reading`` is the request's last line of ``stats.AllocatorReadings``.
+Result: ``{"engine": {...}, "results": [{"prompt", "prompt_ids", "run", "output_ids", "reading", "cached_tokens"},
+...]}``; ``reading`` is the request's last line of ``stats.AllocatorReadings``; ``cached_tokens`` as below (the
+prompts run in order, each run after the last: with the radix cache on, a later one can take a prefix from it).
 
 Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"?}, ...]``, optional
 ``"threshold"``: τ instead of the bundle's): every request is submitted at once (SGLang admits them as its
@@ -34,12 +35,13 @@ from pathlib import Path
 # The settings every mode needs on any machine (docs/integrations.md); the CPU needs the torch_native family.
 # Chunked prefill stays at SGLang's own default size (a prompt is decided at its last chunk, as kvpress decides it
 # at the prompt's end); a spec's "engine" overrides any of these (the benchmark's "dense, radix" turns the radix
-# cache back on for SGLang without KVzap).
+# cache back on for SGLang without KVzap). Ragged mode runs with the radix cache on (RADIX_MODES).
 BASE_ENGINE_ARGS = {
     "disable_radix_cache": True, "disable_overlap_schedule": True, "page_size": 1,
     "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
     "log_level": "warning", "skip_server_warmup": True,
 }
+RADIX_MODES = ("ragged",)  # the modes that run with SGLang's radix cache on (the others need it off)
 MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
 GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"}  # dense: SGLang's default
 
@@ -58,6 +60,8 @@ def engine_args(spec: dict) -> dict:
                     mem_fraction_static=0.5)
     elif spec["mode"] in GPU_ATTENTION:
         args["attention_backend"] = GPU_ATTENTION[spec["mode"]]
+    if spec["mode"] in RADIX_MODES:  # SGLang's default: on (KVzap's tree shares prompts' per-head entries exactly)
+        args["disable_radix_cache"] = False
     args.update(spec.get("engine") or {})
     return args
 
@@ -189,7 +193,8 @@ def run(spec: dict, progress=None) -> dict:
                     "custom_params": {"kvzap": choice}})
                 rid = out["meta_info"]["id"]
                 results.append({"prompt": p, "prompt_ids": ids, "run": choice, "output_ids": list(out["output_ids"]),
-                                "reading": _last_reading(stats, rid), "seconds": time.perf_counter() - t0})
+                                "reading": _last_reading(stats, rid), "seconds": time.perf_counter() - t0,
+                                "cached_tokens": out["meta_info"].get("cached_tokens")})
                 if progress:
                     progress(p, choice)
     finally:

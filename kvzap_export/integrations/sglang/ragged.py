@@ -31,6 +31,7 @@ import torch
 
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.host_reads import counted
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
@@ -58,6 +59,7 @@ class Step:
     positions in the padded extend layout (None when the prompts have one length).
     """
 
+    rows: list[int]
     slots: torch.Tensor
     counts: list[int]
     count_tensor: torch.Tensor
@@ -72,16 +74,26 @@ class Step:
 
 class StoreRows:
     """SGLang's aux-cache protocol for ``ReqToTokenPool``: grows rows before each forward (host side, the whole
-    batch at once), frees released rows."""
+    batch at once), frees released rows. With the radix cache on, a new request's row first adopts its matched
+    prefix's recorded entries (``SharedRaggedStore.adopt``; ``prefix_lens``: the extend batch's, in its order, set
+    by a BEFORE hook on SGLang's ``alloc_for_extend``)."""
 
-    def __init__(self, store: RaggedStore, dense_capacity: int):
-        self.store, self.dense_capacity = store, dense_capacity
+    def __init__(self, store: RaggedStore, dense_capacity: int, req_to_token: torch.Tensor | None = None):
+        self.store, self.dense_capacity, self.req_to_token = store, dense_capacity, req_to_token
         self.plan: tuple[list[int], list[int], list[int], torch.Tensor] | None = None  # rows, counts, targets, ids
+        self.prefix_lens: list[int] | None = None
 
     @counted("forward")
     def alloc_to_lengths(self, *, req_pool_indices_cpu, target_seq_lens_cpu) -> None:
         rows = [int(r) for r in req_pool_indices_cpu.tolist()]
         targets = [int(t) for t in target_seq_lens_cpu.tolist()]
+        prefixes, self.prefix_lens = self.prefix_lens, None
+        if prefixes is not None and isinstance(self.store, SharedRaggedStore):
+            for r, p in zip(rows, prefixes):
+                if p > 0 and r not in self.store.logical:  # a new request whose prompt starts with a cached prefix
+                    self.store.adopt(r, self.req_to_token[r, :p])
+        if isinstance(self.store, SharedRaggedStore):  # the admitted requests adopted what admission set aside
+            self.store.pending.clear()
         counts = [t - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
         if any(n < 0 for n in counts):  # SGLang's row is shorter than what the store holds for it: our bug
             raise RuntimeError(f"ragged store: rows {rows} hold more tokens than SGLang's lengths {targets}")
@@ -125,7 +137,7 @@ def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: 
         held = store.lengths_host[store.slots_host(rows)] - torch.tensor(counts)[:, None, None]  # [B, L, H]
         prefix_widths = held.amax(dim=(0, 2)).tolist()
         prefix_agree = (held.amax(-1) == held.amin(-1)).all(0).tolist()
-    return Step(slots, counts, torch.tensor(counts, dtype=torch.int64).to(store.device), new_ids, widths,
+    return Step(rows, slots, counts, torch.tensor(counts, dtype=torch.int64).to(store.device), new_ids, widths,
                 store.lengths[slots], fresh, prefix_widths, prefix_agree,
                 token_positions(counts, store.device) if extend else None)
 
@@ -161,15 +173,21 @@ class RaggedKVzapSGLang(KVzapSGLang):
         extend, decode = mode.is_extend(), mode.is_decode()
         global _STEP
         self.forget_finished()
-        _STEP = None
+        step, _STEP = _STEP, None
         if not (extend or decode) or not batch.reqs:
             return
+        store = current_store()
+        shared = isinstance(store, SharedRaggedStore)
+        if shared and extend and isinstance(step, Step):  # before any decision: the prompt tokens' full entries
+            skip = {r.kv.req_pool_idx for r in batch.reqs if r.skip_radix_cache_insert}  # never in the tree
+            store.record(step.rows, step.counts, batch.out_cache_loc, step.new_ids, exclude=skip)
         prompts, decoding = [], []
         for i, req in enumerate(batch.reqs):
             idx = req.kv.req_pool_idx
             if idx is None:
                 continue
-            if extend and int(batch.prefix_lens[i]) == 0:
+            adopted = store.adopted.pop(idx, 0) if shared else 0  # its prompt started with a cached prefix
+            if extend and (int(batch.prefix_lens[i]) == 0 or adopted):
                 choice = self._choose(req, idx)
                 if choice is not None:
                     self.choices[idx] = choice
@@ -183,7 +201,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
                 prompts.append(idx)
             elif decode and choice == "decoding":
                 decoding.append(idx)
-        store, p = current_store(), self.policy
+        p = self.policy
         store.decide_prefill(prompts, p.threshold, p.window, p.sink)
         store.decide_decode(decoding, p.threshold, p.window, p.sink)
 
@@ -191,9 +209,12 @@ class RaggedKVzapSGLang(KVzapSGLang):
         store = built_store()
         if store is None:
             return {}
-        if idx is None:  # read from the free list
-            out = {"head_slots_held": store.held, "head_slots_free": store.available, "head_slots_pool": store.capacity,
-                   "rows": len(store.logical)}
+        if idx is None:  # read from the free list (radix cache on: entries only its tree holds counted apart)
+            cached = getattr(store, "soft", 0)
+            out = {"head_slots_held": store.held - cached, "head_slots_free": store.available,
+                   "head_slots_pool": store.capacity, "rows": len(store.logical)}
+            if isinstance(store, SharedRaggedStore):
+                out.update(head_slots_cached=cached, cache_nodes_reclaimed=store.reclaimed_nodes)
             budget = current_plan()
             if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated
                 out["kv_budget"] = budget.against(store.nbytes(), store.capacity)
@@ -229,7 +250,7 @@ def backend_class():
                 raise SystemExit(f"kvzap-export: {exc}") from None
             requests = model_runner.req_to_token_pool
             if requests._aux_cache is None:
-                requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens))
+                requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens, requests.req_to_token))
             self.rows = requests._aux_cache
             self.step: Step | BufferedDecode | None = None
             self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
@@ -362,7 +383,7 @@ def _triton_decode() -> bool:
 def register(register_hook, kind, one_line) -> None:
     """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process (``one_line``: the
     plugin's wrapper that turns a ``KvzapError`` into a one-line exit)."""
-    from kvzap_export.integrations.sglang import ragged_budget, ragged_pool
+    from kvzap_export.integrations.sglang import ragged_budget, ragged_pool, ragged_radix
 
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
@@ -372,6 +393,8 @@ def register(register_hook, kind, one_line) -> None:
     register_hook(api("KVCacheConfigurator.config_from_budget").target, one_line(ragged_budget.budget_hook),
                   kind.AROUND)
     register_hook(api("BeamCoordinator.validate_and_init").target, ragged_pool.beam_hook, kind.AROUND)
+    register_hook(api("create_tree_cache").target, one_line(ragged_radix.tree_cache_hook), kind.AROUND)
+    register_hook(api("alloc_for_extend").target, ragged_radix.extend_prefixes_hook, kind.BEFORE)
     backend = backend_class()
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

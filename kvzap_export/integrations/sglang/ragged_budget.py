@@ -11,7 +11,11 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
   (freed requests make room for more rows, each as wide as its full length), plus up to a quarter of growth in each
   dimension. Three columns per entry cover pools whose requests free up to about half of their entries; past that
   (or many short rows beside one long one) the tables outgrow the reservation and the store warns once;
-- on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64).
+- on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64);
+- with SGLang's radix cache on (``ragged_radix.py``): its reference count (int32) and record mark (bool), and
+  ``SLOT_RECORD_BYTES`` for the slots' records (a logical slot's entry ids, int32 per (layer, KV head), and its
+  mark), reserved for up to ``SLOT_RECORDS`` logical slots per dense token (the logical slot ids grow with the
+  requests KVzap's freeing admits; past that the record table outgrows its reservation).
 
 The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the budget that leaves room for these:
 ``budget · kv / (kv + extras)`` per entry (one entry kept back for the store's scratch row), so the pool SGLang
@@ -32,6 +36,8 @@ from kvzap_export.errors import ConfigError
 
 _PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
 TABLE_COLUMNS = 3  # row-table columns reserved per entry (module docstring)
+SLOT_RECORDS = 2  # logical slots' records reserved per dense token, radix cache on (module docstring)
+SLOT_RECORD_BYTES = SLOT_RECORDS * (4 + 1)  # per entry: SLOT_RECORDS slots' int32 entry id (+ at most a byte of mark)
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ class BudgetPlan:
         reserved = self.split(entries)
         return {"budget": self.budget, "kv": allocated["k"] + allocated["v"], "scores": allocated["scores"],
                 "free_list": allocated["free_list"],
-                **{f"{name}_reserved": size for name, size in reserved.items() if name in ("row_tables", "decode_indices")}}
+                **({"sharing": allocated["sharing"]} if "sharing" in allocated else {}),
+                **{f"{name}_reserved": size for name, size in reserved.items()
+                   if name in ("row_tables", "decode_indices", "slot_records")}}
 
     def describe(self, entries: int) -> str:
         parts = self.split(entries)
@@ -72,11 +80,14 @@ class BudgetPlan:
                 f"({self.entry_bytes} bytes per entry, {self.kv_bytes} of them K/V)")
 
 
-def plan(budget_bytes: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, flattened_decode: bool) -> BudgetPlan:
+def plan(budget_bytes: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, flattened_decode: bool,
+         shared: bool = False) -> BudgetPlan:
     size = torch.empty(0, dtype=dtype).element_size()
     extras = {"scores": size, "free_list": 4, "row_tables": 4 * TABLE_COLUMNS}
     if flattened_decode:
         extras["decode_indices"] = 8
+    if shared:
+        extras.update(sharing=4 + 1, slot_records=SLOT_RECORD_BYTES)
     return BudgetPlan(int(budget_bytes), (head_dim + v_head_dim) * size, extras)
 
 
@@ -89,6 +100,7 @@ def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
     bookkeeping (module docstring)."""
     global _PLAN
     from kvzap_export.integrations.sglang.ragged_decode import decode_path
+    from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 
     if kwargs.get("cap_tokens") is not None:  # SGLang's post-capture resize of an existing pool (not the launch's)
         raise ConfigError("KVzap ragged mode does not support SGLang's post-capture KV sizing (it resizes a pool the "
@@ -96,5 +108,5 @@ def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
     model = configurator.model_config
     device = torch.device(configurator.device)
     _PLAN = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
-                 decode_path(device) == "flattened")
+                 decode_path(device) == "flattened", shares_prefixes())
     return original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)

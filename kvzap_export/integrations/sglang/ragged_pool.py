@@ -9,9 +9,11 @@ import logging
 import torch
 
 from kvzap_export.errors import ConfigError
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.ragged_budget import current_plan
+from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ def allocator_class():
 
         store: RaggedStore | None = None
         entries_per_token = 1
+        tree = None  # KVzap's radix tree (ragged_radix.py) when SGLang's radix cache is on
 
         def logical_available(self) -> int:
             """Free logical slot ids (SGLang's own free list)."""
@@ -61,7 +64,21 @@ def allocator_class():
         def available_size(self):
             if self.store is None:
                 return super().available_size()
-            return self.store.available // self.entries_per_token
+            if self.tree is None:
+                return self.store.available // self.entries_per_token
+            # free + soft entries, less the tokens SGLang counts as evictable (whole nodes: their entries are all
+            # soft), so that available + evictable is the room an eviction and a reclaim can make (ragged_radix.py)
+            return self.store.reclaimable // self.entries_per_token - self.tree.evictable_size()
+
+        def free(self, free_index):
+            if isinstance(self.store, SharedRaggedStore) and self.free_group is None:
+                self.store.drop_records(free_index)  # the slots' records end with SGLang's hold on them
+            super().free(free_index)
+
+        def clear(self):
+            super().clear()
+            if isinstance(self.store, SharedRaggedStore):
+                self.store.clear_records()
 
         def alloc(self, need_size: int):
             short = need_size - len(self.free_pages)
@@ -98,8 +115,10 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
                           "attention is not plain MHA/GQA, or another plugin replaced the pool); use KVZAP_MODE=mask")
     tokens = int(kwargs["sizes"].max_total_num_tokens)
     layers, heads = int(pool.layer_num), int(pool.head_num)
-    store = RaggedStore(tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim),
-                        rows=INITIAL_ROWS, width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device)
+    shared = {"slots": tokens + 1} if shares_prefixes() else {}
+    store = (SharedRaggedStore if shared else RaggedStore)(
+        tokens * layers * heads, layers, heads, int(pool.head_dim), int(pool.v_head_dim), rows=INITIAL_ROWS,
+        width=INITIAL_WIDTH, dtype=pool.store_dtype, device=pool.device, **shared)
     allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
     allocator.store, allocator.entries_per_token = store, layers * heads
     allocator.dense_tokens = tokens

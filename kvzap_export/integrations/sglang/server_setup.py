@@ -53,12 +53,15 @@ def graphs_problem(mode: str) -> str | None:
     return None
 
 
+RAGGED_TREE = "KVzapRaggedRadixCache"  # ragged_radix.py's tree (ragged mode's radix cache)
+
+
 @dataclass(frozen=True)
 class ServerSetup:
     """What ``problems(mode)`` needs to know about one scheduler.
 
     Evict mode moves K/V inside a request's own slots and frees the tail, which is only sound when a slot
-    belongs to one request (no radix cache), is freed one by one (page size 1), is addressed physically (no
+    belongs to one request (no radix cache; mask mode needs it off too; ragged mode runs it with KVzap's tree), is freed one by one (page size 1), is addressed physically (no
     unified memory, no decode context parallelism), stores plain K/V (no quantized cache: its reads are
     dequantized copies and its scales would stay behind), and when the step end runs before the next batch
     is prepared (no overlap). Every mode needs every layer in this process (no pipeline parallelism), ranks
@@ -86,6 +89,7 @@ class ServerSetup:
     decode_graphs: bool = False  # CUDA graphs captured for decode
     prefill_graphs: bool = False  # CUDA graphs captured for prefill
     tp_size: int = 1
+    radix_tree: str = ""  # the class of SGLang's tree cache (ragged mode shares prefixes through KVzap's own)
 
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
@@ -106,7 +110,7 @@ class ServerSetup:
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
                    decode_backend=str(kernel.decode_attention_backend or backend), decode_graphs=decode_graphs,
                    prefill_graphs=prefill_graphs,
-                   tp_size=int(parallel.tp_size))
+                   tp_size=int(parallel.tp_size), radix_tree=type(scheduler.tree_cache).__name__)
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
         """Each setting that is wrong for ``mode``, with the flag that fixes it.
@@ -115,8 +119,11 @@ class ServerSetup:
         (empty: any; mask mode needs one of its own for decode, ragged mode for both).
         """
         out = []
-        if self.radix_cache:
+        if self.radix_cache and mode != "ragged":
             out.append("the radix cache is on (add --disable-radix-cache)")
+        elif self.radix_cache and self.radix_tree != RAGGED_TREE:
+            out.append(f"the radix cache is on with another tree than KVzap's ({self.radix_tree}: drop "
+                       "--radix-cache-backend and --enable-hierarchical-cache, or add --disable-radix-cache)")
         if self.overlap:
             out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
         if mode == "ragged" and self.prefill_graphs:

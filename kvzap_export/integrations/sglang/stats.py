@@ -10,7 +10,8 @@ of the SGLang engine benchmark). The numbers come from the engine's pools, never
   ``tree_evictable_slots``); ``row_slots``: the request's slots by SGLang's bookkeeping (a prefix taken from the
   radix cache counts in every request that holds it) (``kv_allocated_len``, which
   evict mode itself lowers when it frees the tail); ``available_to_scheduler``: ``available_size()``;
-- ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list)
+- ragged mode: ``head_slots_held`` / ``head_slots_free`` (one-head entries, read from the store's free list; with the
+  radix cache on, ``head_slots_cached``: entries only its tree holds, not counted in ``head_slots_held``)
   and ``row_head_slots`` (the lengths of the request's rows in the store's tables);
 - ``bytes``: every buffer the mode allocated: SGLang's own K/V buffers (placeholders in ragged mode), its logical
   slot list, and what KVzap adds (the score side buffer; in ragged mode the pool's K, V, scores, row tables and

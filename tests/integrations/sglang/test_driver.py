@@ -3,7 +3,7 @@ needs, the attention backend per mode."""
 
 import pytest
 
-from kvzap_export.integrations.sglang.driver import BASE_ENGINE_ARGS, engine_args
+from kvzap_export.integrations.sglang.driver import BASE_ENGINE_ARGS, RADIX_MODES, engine_args
 
 
 @pytest.mark.parametrize("mode", ["ragged", "evict", "mask"])
@@ -13,7 +13,8 @@ def test_a_gpu_serves_bfloat16_unless_the_spec_asks(monkeypatch, mode):
     assert args["dtype"] == "bfloat16" and "device" not in args
     assert args["attention_backend"] in ("kvzap_ragged", "kvzap_flex")
     assert engine_args({"model": "m", "mode": mode, "dtype": "float32"})["dtype"] == "float32"  # validate's reference dtype
-    assert all(args[k] == v for k, v in BASE_ENGINE_ARGS.items())
+    radix = {"disable_radix_cache": mode not in RADIX_MODES}  # ragged mode runs SGLang's radix cache (KVzap's tree)
+    assert all(args[k] == radix.get(k, v) for k, v in BASE_ENGINE_ARGS.items())
 
 
 def test_the_cpu_engine_keeps_float32(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvzap_export.integrations.ragged_store import RaggedStore
-from kvzap_export.integrations.sglang import ragged_budget
+from kvzap_export.integrations.sglang import ragged_budget, ragged_radix
 from kvzap_export.integrations.sglang.ragged_budget import budget_hook, plan
 
 LAYERS, HEADS, DIM = 3, 2, 16
@@ -67,6 +67,7 @@ def test_the_plans_per_entry_bytes_are_what_the_store_and_the_decode_buffers_all
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     monkeypatch.delenv("KVZAP_RAGGED_DECODE", raising=False)
     monkeypatch.setattr(ragged_budget, "_PLAN", None)  # this process's plan: set by the hook, restored after
+    monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: False)  # SGLang's radix cache off
     configurator = SimpleNamespace(model_config=SimpleNamespace(head_dim=DIM, v_head_dim=DIM), device="cpu",
                                    kv_cache_dtype=torch.float32)
     seen = []
@@ -82,6 +83,11 @@ def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")  # the flattened path's kv_indices, 8 bytes per entry
     budget_hook(original, configurator, 1_000_000)
     assert ragged_budget.current_plan().extras["decode_indices"] == 8 and seen[-1][1] < p.dense_budget()
+    monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: True)  # radix on: reference counts and slot records
+    budget_hook(original, configurator, 1_000_000)
+    shared = ragged_budget.current_plan()
+    assert shared.extras["sharing"] == 5 and shared.extras["slot_records"] == ragged_budget.SLOT_RECORD_BYTES
+    assert seen[-1][1] < seen[-2][1]
 
 
 def test_the_store_warns_once_when_its_tables_outgrow_their_reservation(caplog):

@@ -141,7 +141,8 @@ ALL = ("evict", "mask", "ragged")
 
 
 @pytest.mark.parametrize("change, modes, flag", [
-    ({"radix_cache": True}, ALL, "--disable-radix-cache"),
+    ({"radix_cache": True}, ALL, "--disable-radix-cache"),  # ragged mode: SGLang's own tree, not KVzap's
+    ({"radix_cache": True, "radix_tree": "KVzapRaggedRadixCache"}, ("evict", "mask"), "--disable-radix-cache"),
     ({"overlap": True}, ALL, "--disable-overlap-schedule"),
     ({"speculative": True}, ALL, "--speculative-algorithm"),
     ({"unified_memory": True}, ALL, "--enable-unified-memory"),
@@ -173,6 +174,12 @@ def test_server_setup_names_the_flag_to_fix(surrogate, change, modes, flag):
             assert "\n" not in str(err.value) and runtime.setup is None
         else:
             assert problems == []
+
+
+def test_ragged_mode_runs_the_radix_cache_with_its_own_tree_only():
+    (problem,) = good_setup(radix_cache=True, radix_tree="UnifiedRadixCache").problems("ragged")
+    assert "another tree than KVzap's (UnifiedRadixCache" in problem and "--radix-cache-backend" in problem
+    assert good_setup(radix_cache=True, radix_tree="KVzapRaggedRadixCache").problems("ragged") == []
 
 
 def test_server_setup_names_the_attention_backend_a_mode_needs():

@@ -1,0 +1,197 @@
+"""Per-head storage with prefixes shared between requests (an engine's prefix cache over a ``RaggedStore``).
+
+Engine-independent (pure torch). SGLang's ragged mode uses it when its radix cache is on
+(``integrations/sglang/ragged_radix.py``); the exactness argument is in docs/ragged-kv.md ("Radix cache in ragged
+mode").
+
+What it adds to ``RaggedStore``:
+
+- **records**: an engine slot (one logical token of the engine's own bookkeeping) whose token a dense prefill
+  computed keeps that token's full entries, one per (layer, KV head): ``slot_entries`` int32 [slots, L, H] and
+  ``slot_has`` bool [slots]. A record outlives the request that computed it for as long as the engine holds the
+  slot (its prefix cache); a later request whose prompt starts with the same tokens ``adopt``s the records into
+  its own row instead of computing them again, and then decides on every entry as its own prompt's;
+- **reference counts**: ``rowref`` int32 [capacity + 1] counts the rows that hold an entry, ``recorded`` marks
+  the entries a record holds. An entry goes back to the free list when neither holds it. An entry a record holds
+  and no row does is **soft** (``soft``: how many, exact on the host): the decisions of every request that read
+  it evicted it. Soft entries are room: ``reclaimable`` counts them, and ``drop_records`` turns a record's soft
+  entries back into free ones (the engine then knows that record's token no longer holds a full prefix).
+
+Only tokens computed by a dense prefill over a dense row are recorded (``record``): a token decoded, or computed
+over a pruned row, has other hidden states than kvpress would give it as a prompt token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvzap_export.errors import InputError
+from kvzap_export.integrations.ragged_store import RaggedStore, upload
+
+
+class SharedRaggedStore(RaggedStore):
+    """A ``RaggedStore`` whose entries rows and engine slots can share (module docstring)."""
+
+    def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                 *, slots: int = 16, **kwargs):
+        super().__init__(capacity, num_layers, num_kv_heads, head_dim, v_head_dim, **kwargs)
+        self.rowref = torch.zeros(capacity + 1, dtype=torch.int32, device=self.device)
+        self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
+        self.slot_entries = torch.zeros(max(slots, 1), num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
+        self.slot_has = torch.zeros(max(slots, 1), dtype=torch.bool, device=self.device)
+        self.soft = 0  # entries a record holds and no row does
+        self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
+        self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
+        self.reclaimer = None  # callable(short): frees at least ``short`` more entries (the engine's prefix cache)
+        self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
+        # lock -> soft entries on the path a request was admitted with, until the allocation that adopts them: they are
+        # not room (the adoption makes them the row's), though they are soft until then
+        self.pending: dict[int, int] = {}
+
+    # ---- accounting --------------------------------------------------------------------------------
+    @property
+    def reclaimable(self) -> int:
+        """Entries an allocation can get: the free ones and the soft ones (``drop_records`` frees those), less the
+        soft ones admitted requests are about to adopt (``pending``)."""
+        return self.available + self.soft - sum(self.pending.values())
+
+    def nbytes(self) -> dict[str, int]:
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        out = super().nbytes()
+        out["sharing"] = size(self.rowref) + size(self.recorded)
+        out["slot_records"] = size(self.slot_entries) + size(self.slot_has)
+        return out
+
+    def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
+        need = self.num_layers * self.num_kv_heads * sum(counts)
+        if need > self.available and self.reclaimer is not None:  # soft entries were counted as room: take them back
+            self.reclaimer(need - self.available)
+        return super().append(rows, counts)
+
+    def _take(self, n: int) -> torch.Tensor:
+        new = super()._take(n)
+        self.rowref[new] = 1
+        return new
+
+    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        """Rows let go of ``ids[mask]``: each loses a reference; entries no row and no record holds are freed,
+        entries only a record holds become soft. Reads the device once (which entries reached 0)."""
+        if count == 0:
+            return
+        ids, mask = ids.reshape(-1).to(torch.int64), mask.reshape(-1)
+        self.rowref.index_add_(0, ids, -mask.to(torch.int32))
+        zero = torch.unique(ids[mask & (self.rowref[ids] == 0)])  # two rows may let go of one entry in one call
+        soft = self.recorded[zero]
+        self.soft += int(soft.sum())
+        self._push(zero[~soft])
+
+    def _push(self, ids: torch.Tensor) -> None:
+        """Puts ``ids`` (no row, no record holds them) on the free list."""
+        n = int(ids.numel())
+        if n:
+            super()._give(ids, torch.ones_like(ids, dtype=torch.bool), n)
+
+    def release(self, row: int) -> int:
+        self.dense_len.pop(row, None)
+        self.adopted.pop(row, None)
+        return super().release(row)
+
+    # ---- records -------------------------------------------------------------------------------------
+    def _ensure_slots(self, top: int) -> None:
+        have = self.slot_has.shape[0]
+        if top < have:
+            return
+        size = max(top + 1, have + have // 2)
+        entries = self.slot_entries.new_zeros(size, self.num_layers, self.num_kv_heads)
+        entries[:have] = self.slot_entries
+        has = self.slot_has.new_zeros(size)
+        has[:have] = self.slot_has
+        self.slot_entries, self.slot_has = entries, has
+
+    def record(self, rows: list[int], counts: list[int], slots: torch.Tensor, new_ids: torch.Tensor,
+               exclude: set[int] = frozenset()) -> int:
+        """After a prefill forward: the engine slots ``slots`` [T] of its tokens (in the order of ``new_ids``
+        [L, H, T], ``append``'s result for ``rows`` / ``counts``) keep their tokens' entries. Only the tokens of a row
+        that was dense before this forward and is still dense (no decision yet) and whose earlier tokens are all
+        recorded get records (module docstring); rows in ``exclude`` get none (the engine will never cache them).
+        Returns the tokens recorded."""
+        if not rows:
+            return 0
+        ok = []
+        for r, n in zip(rows, counts):
+            held = self.lengths_host[self.slot_of[r]] if r in self.slot_of else None
+            dense = held is not None and bool((held == self.logical[r]).all())
+            ok.append(n > 0 and dense and r not in exclude and self.dense_len.get(r, 0) == self.logical[r] - n)
+            if ok[-1]:
+                self.dense_len[r] = self.logical[r]
+        keep = torch.repeat_interleave(torch.tensor(ok), torch.tensor(counts))
+        if not bool(keep.any()):
+            return 0
+        slots = slots.to(self.device, torch.int64)
+        if not bool(keep.all()):
+            where = upload(self.device, torch.nonzero(keep).reshape(-1))[0]
+            slots, new_ids = slots[where], new_ids[..., where]
+        self._ensure_slots(int(slots.max()))
+        self.drop_records(slots)  # a slot is recorded once (the engine reuses a slot only after freeing it)
+        self.slot_entries[slots] = new_ids.permute(2, 0, 1).to(torch.int32)
+        self.slot_has[slots] = True
+        self.recorded[new_ids.reshape(-1)] = True
+        return int(keep.sum())
+
+    def drop_records(self, slots: torch.Tensor) -> int:
+        """The engine let go of ``slots`` (or gives up their records to reclaim memory): their records end, and
+        entries no row holds are freed. Slots without a record are ignored. Returns the entries freed."""
+        if slots.numel() == 0:
+            return 0
+        slots = slots.reshape(-1).to(self.device, torch.int64)
+        slots = slots[slots < self.slot_has.shape[0]]
+        slots = torch.unique(slots[self.slot_has[slots]])
+        if slots.numel() == 0:
+            return 0
+        ids = self.slot_entries[slots].reshape(-1).to(torch.int64)
+        self.slot_has[slots] = False
+        self.recorded[ids] = False
+        free = ids[self.rowref[ids] == 0]
+        self.soft -= int(free.numel())
+        self._push(free)
+        return int(free.numel())
+
+    def soft_per_slot(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 [n] on the host: for each slot, the entries of its record no row holds (0 without a record)."""
+        slots = slots.reshape(-1).to(self.device, torch.int64)
+        if slots.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        inside = slots < self.slot_has.shape[0]
+        safe = torch.where(inside, slots, 0)
+        ids = self.slot_entries[safe].reshape(slots.numel(), -1).to(torch.int64)
+        soft = (self.rowref[ids] == 0).sum(-1) * (inside & self.slot_has[safe])
+        return soft.to("cpu", torch.int64)
+
+    def adopt(self, row: int, slots: torch.Tensor) -> None:
+        """A new request row starts with the recorded tokens of ``slots`` [p] (every one must have a record): its
+        row holds their entries (shared, one more reference each), as if it had computed them. Reads the device once
+        (entries that stop being soft)."""
+        p = int(slots.numel())
+        if row in self.slot_of or self.logical.get(row, 0):
+            raise InputError(f"adopt: row {row} already holds entries (only a new request adopts a prefix)")
+        if p == 0:
+            return
+        slots = slots.reshape(-1).to(self.device, torch.int64)
+        if not bool(self.slot_has[slots.clamp(max=self.slot_has.shape[0] - 1)].all()) or int(slots.max()) >= \
+                self.slot_has.shape[0]:
+            raise RuntimeError(f"ragged KV store: row {row} adopts {p} slots and some hold no record (the prefix "
+                               "cache matched a prefix that was not recorded)")
+        ids = self.slot_entries[slots].permute(1, 2, 0).to(torch.int64)  # [L, H, p]
+        self._ensure(len(self.slot_of) + 1, p)
+        slot = self.slot_of[row] = self._free_slots.pop()
+        self.ids[slot, :, :, :p] = ids.to(torch.int32)
+        self.lengths[slot] = p
+        self.lengths_host[slot] = p
+        self.logical[row] = self.dense_len[row] = self.adopted[row] = p
+        flat = ids.reshape(-1)
+        self.soft -= int((self.rowref[flat] == 0).sum())
+        self.rowref.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+    def clear_records(self) -> None:
+        """The engine let go of every slot (a cache flush)."""
+        self.drop_records(torch.nonzero(self.slot_has).reshape(-1))

@@ -1,0 +1,225 @@
+"""Ragged mode with SGLang's radix cache on: a prefix's per-head entries computed once, shared exactly.
+
+The exactness argument and the accounting are in docs/ragged-kv.md ("Radix cache in ragged mode"). In short:
+
+- the tree is SGLang's own ``RadixCache`` (``mem_cache/radix_cache.py``: token ids -> logical slot ids, LRU
+  eviction, lock counts), subclassed; in ragged mode it replaces the default tree (AROUND hook on
+  ``create_tree_cache``) when the radix cache is on and nothing else was asked for;
+- each slot the tree holds keeps its token's full entries, one per (layer, KV head), as a dense prefill computed them
+  (``SharedRaggedStore`` records); a new request adopts the records of its matched prefix into its own row and decides
+  on them as kvpress would on its own prompt; only prompt tokens enter the tree (``checkpoint`` stops at the tokens
+  a dense prefill recorded: a decoded answer is computed again when a later prompt contains it);
+- entries a record holds and no row does (every reader evicted them) are *soft*: counted as room
+  (``available_size()``: ``(free + soft) // (layers · kv_heads) - evictable``, so at idle SGLang's check
+  ``available + evictable == max_total_num_tokens`` holds) and taken back when an allocation finds too few free
+  entries (``reclaim``): first SGLang's own eviction of unlocked nodes, then the records of locked nodes, least
+  recently used first; such a node is *broken*: a match stops before it, and it is cut from the tree (with its
+  subtree) once no request locks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+from kvzap_export.integrations.sglang.api import sglang_module
+
+log = logging.getLogger(__name__)
+
+_CLASS = None
+
+
+# Settings that ask SGLang for another tree or for what only its unified tree implements: with any of them the
+# AROUND hook leaves SGLang's choice (and its own checks) alone, and the launch check refuses it in one line.
+OTHER_TREES = ("radix_cache_backend", "enable_hierarchical_cache", "enable_lmcache", "enable_flexkv",
+               "enable_unified_cache_external_linker", "enable_session_radix_cache")
+
+
+def shares_prefixes() -> bool:
+    """Whether this SGLang process runs its radix cache with KVzap's tree (radix on, no other tree asked for)."""
+    context = sglang_module("sglang.srt.runtime_context")
+    memory = context.get_memory()
+    return not (memory.disable_radix_cache or any(getattr(memory, name) for name in OTHER_TREES)
+                or memory.radix_eviction_policy == "tlru" or context.get_serving().enable_streaming_session)
+
+
+def radix_cache_class():
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    base = sglang_module("sglang.srt.mem_cache.radix_cache").RadixCache
+    evict_params = sglang_module("sglang.srt.mem_cache.base_prefix_cache").EvictParams
+
+    class KVzapRaggedRadixCache(base):
+        """SGLang's radix tree over a ``SharedRaggedStore`` (module docstring)."""
+
+        def __init__(self, params):
+            self._broken: set = set()  # nodes whose records were reclaimed (reset() runs inside super().__init__)
+            self._in_checkpoint = False
+            super().__init__(params)
+            allocator = params.token_to_kv_pool_allocator
+            store = getattr(allocator, "store", None)
+            if not isinstance(store, SharedRaggedStore):
+                raise RuntimeError("KVzap's radix tree needs the ragged mode's shared store (the allocator hook did "
+                                   "not build one)")
+            self.store, self.entries_per_token = store, allocator.entries_per_token
+            allocator.tree = self
+            store.reclaimer = self.reclaim
+
+        def reset(self):
+            super().reset()
+            self._broken.clear()
+
+        # ---- matching: stop before a node whose records were reclaimed ----
+        def _match_prefix_helper(self, node, key):
+            now = time.monotonic()
+            node.last_access_time = now
+            value = []
+            while len(key) > 0:
+                child = node.children.get(key.child_key(self.page_size))
+                if child is None or (child in self._broken and not self._in_checkpoint):
+                    break
+                child.last_access_time = now
+                common = child.key.match(key, page_size=self.page_size)
+                if common < len(child.key):  # the match ends inside this node: split it there (SGLang does the same)
+                    child = self._split_node(child.key, child, common)
+                    value.append(child.value)
+                    node = child
+                    break
+                value.append(child.value)
+                node, key = child, key[common:]
+            return value, node
+
+        def _split_node(self, key, child, split_len):
+            head = super()._split_node(key, child, split_len)
+            if child in self._broken:
+                self._broken.add(head)
+            return head
+
+        # ---- inserting: prompt tokens a dense prefill recorded, nothing past them ----
+        def checkpoint(self, req, *, up_to: int):
+            row = req.kv.req_pool_idx
+            recorded = max(self.store.dense_len.get(row, 0), int(req.kv.cache_protected_len))
+            self._in_checkpoint = True  # its re-match must walk the path the insert made, broken nodes included
+            try:
+                super().checkpoint(req, up_to=min(int(up_to), recorded))
+            finally:
+                self._in_checkpoint = False
+            self._cut_unlocked()
+
+        def lock(self, node):
+            """A lock outside a checkpoint is an admission's (SGLang's PrefillAdder): the request will adopt the
+            path's entries, so its soft entries stop being room until the adoption (``SharedRaggedStore.pending``)."""
+            held = super().lock(node)
+            if not self._in_checkpoint and node is not self.root_node:
+                soft = int(self.store.soft_per_slot(self.path_device_indices(node)).sum())
+                if soft:
+                    self.store.pending[id(held)] = soft
+            return held
+
+        def unlock(self, lock):
+            if lock is not None:
+                self.store.pending.pop(id(lock), None)
+            super().unlock(lock)
+            if not self._in_checkpoint:
+                self._cut_unlocked()
+
+        # ---- SGLang's checks read these ----
+        def full_evictable_size(self):
+            return self.evictable_size_
+
+        def full_protected_size(self):
+            return self.protected_size_
+
+        # ---- memory ----
+        def _nodes(self) -> list:
+            out, stack = [], list(self.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                out.append(node)
+                stack.extend(node.children.values())
+            return out
+
+        def reclaim(self, short: int) -> None:
+            """Frees at least ``short`` entries for an allocation that found too few free (``available_size()``
+            counted them as room): unlocked nodes through SGLang's eviction first, then the records of locked nodes,
+            least recently used first (those nodes become broken)."""
+            store, per_token = self.store, self.entries_per_token
+            target = store.available + short
+            allocator = self.token_to_kv_pool_allocator
+            if self.evictable_size_ > 0 and allocator.free_group is None:  # the evicted slots' records: one release
+                allocator.free_group_begin()
+                try:
+                    self.evict(evict_params(num_tokens=-(-short // per_token)))
+                finally:
+                    allocator.free_group_end()
+            elif self.evictable_size_ > 0:
+                self.evict(evict_params(num_tokens=-(-short // per_token)))
+            if store.available >= target:
+                return
+            locked = sorted((n for n in self._nodes() if n.lock_ref > 0 and n not in self._broken),
+                            key=lambda n: n.last_access_time)
+            if locked:  # one read of the device for all of them, one release of the chosen nodes' records
+                soft = store.soft_per_slot(torch.cat([n.value for n in locked])).tolist()
+                chosen, gained, start = [], 0, 0
+                for node in locked:
+                    node_soft = sum(soft[start:start + len(node.value)])
+                    start += len(node.value)
+                    if node_soft:
+                        chosen.append(node)
+                        gained += node_soft
+                        if store.available + gained >= target:
+                            break
+                store.drop_records(torch.cat([n.value for n in chosen]) if chosen else locked[0].value[:0])
+                self._broken.update(chosen)
+                store.reclaimed_nodes += len(chosen)
+                log.info("KVzap ragged mode: took back %d soft entries from %d running prompts' cached nodes", gained,
+                         len(chosen))
+            if store.available < target:
+                raise RuntimeError(f"ragged KV store: {target - store.available} entries short after reclaiming every "
+                                   "soft entry (the accounting let through more than the store holds: our bug)")
+
+        def _cut_unlocked(self) -> None:
+            """Cuts broken nodes no request locks (with their subtrees, unlocked too) out of the tree: their slots go
+            back to SGLang's allocator, their entries no row holds to the store."""
+            gone = set()
+            for node in [n for n in self._broken if n.lock_ref == 0]:
+                self._broken.discard(node)
+                if node in gone or node.parent.children.get(node.key.child_key(self.page_size)) is not node:
+                    continue  # already cut with an ancestor, or evicted by SGLang
+                subtree, stack = [], [node]
+                while stack:
+                    n = stack.pop()
+                    subtree.append(n)
+                    gone.add(n)
+                    stack.extend(n.children.values())
+                for n in subtree:
+                    self.token_to_kv_pool_allocator.free(n.value)
+                    self.evictable_size_ -= len(n.key)
+                    self.evictable_leaves.discard(n)
+                    self._broken.discard(n)
+                    self.kv_events.record_remove(n)
+                parent = node.parent
+                del parent.children[node.key.child_key(self.page_size)]
+                self._update_leaf_status(parent)
+
+    _CLASS = KVzapRaggedRadixCache
+    return _CLASS
+
+
+def tree_cache_hook(original_fn, ctx, *args, **kwargs):
+    """AROUND ``create_tree_cache``: KVzap's tree when the radix cache is on and no other tree was asked for."""
+    if not shares_prefixes():
+        return original_fn(ctx, *args, **kwargs)
+    return radix_cache_class()(ctx.params)
+
+
+def extend_prefixes_hook(batch, *args, **kwargs) -> None:
+    """BEFORE SGLang's ``alloc_for_extend``: the batch's prefix lengths (the radix cache's matches), for the rows the
+    store lays out in the same call (``ragged.StoreRows.alloc_to_lengths`` adopts them)."""
+    rows = batch.req_to_token_pool._aux_cache
+    if hasattr(rows, "prefix_lens"):
+        rows.prefix_lens = [int(p) for p in batch.prefix_lens]

@@ -1,0 +1,99 @@
+"""Run by test_engine.py with the SGLang environment's Python: KVzap's radix tree (``ragged_radix.py``, a subclass of
+SGLang 0.5.23's own ``RadixCache``) over a ``SharedRaggedStore`` and the ragged allocator, driven step by step as the
+scheduler drives them (insert, match, lock, adopt, decide, reclaim, evict, unlock). Prints one JSON object of what it
+read; the test asserts on it. Not a test module itself (it needs SGLang)."""
+
+from __future__ import annotations
+
+import json
+from array import array
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+from kvzap_export.integrations.sglang.ragged_pool import allocator_class
+from kvzap_export.integrations.sglang.ragged_radix import radix_cache_class
+
+L, H, D, TOKENS = 2, 2, 4, 40
+PER = L * H
+
+
+def key(ids):
+    return RadixKey(token_ids=array("q", ids))
+
+
+def main() -> dict:
+    store = SharedRaggedStore(TOKENS * PER, L, H, D, rows=2, width=8, slots=TOKENS + 1)
+    allocator = allocator_class()(TOKENS, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False)
+    allocator.store, allocator.entries_per_token, allocator.dense_tokens = store, PER, TOKENS
+    tree = radix_cache_class()(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
+                                               page_size=1))
+    out = {"idle_start": allocator.available_size() + tree.evictable_size()}
+
+    # request A: a 10-token prompt, prefilled densely, recorded, decided (tokens 2..5 evicted), cached, locked
+    prompt_a = list(range(100, 110))
+    slots_a = allocator.alloc(10)
+    ids_a = store.append([0], [10])
+    store.k[ids_a.reshape(-1)] = torch.arange(ids_a.numel(), dtype=torch.float32)[:, None]  # known K values
+    store.scores[ids_a.reshape(-1)] = 5.0
+    store.scores[ids_a[:, :, 2:6].reshape(-1)] = -9.0
+    store.record([0], [10], slots_a, ids_a)
+    store.decide_prefill([0], threshold=0.0, window=2)
+    tree.insert(InsertParams(key=key(prompt_a), value=slots_a.clone()))
+    lock_a = tree.lock(tree.match_prefix(MatchPrefixParams(key=key(prompt_a))).last_device_node)
+    out["soft_after_a"] = store.soft
+
+    # request B: A's first 8 tokens and 4 of its own; admission locks the match, its row adopts the full prefix
+    prompt_b = prompt_a[:8] + [7, 7, 7, 7]
+    match = tree.match_prefix(MatchPrefixParams(key=key(prompt_b)))
+    before_lock = allocator.available_size() + tree.evictable_size()
+    lock_b = tree.lock(match.last_device_node)
+    out["room_lost_at_admission"] = before_lock - (allocator.available_size() + tree.evictable_size())
+    out["b_prefix"] = int(match.device_prefix_len)
+    prefix_slots = tree.path_device_indices(match.last_device_node)[:8]
+    store.adopt(1, prefix_slots)
+    store.pending.clear()
+    out["b_holds_a_evicted_tokens"] = all(
+        store.row_entries(1, layer, head).tolist()[:8] == ids_a[layer, head, :8].tolist()
+        for layer in range(L) for head in range(H))
+    ids_b = store.append([1], [4])
+    slots_b = allocator.alloc(4)  # B's own tokens: not inserted in this script, so freed at its end (release_kv_cache)
+    store.record([1], [4], slots_b, ids_b)
+    store.scores[ids_b.reshape(-1)] = 5.0
+    store.scores[ids_a[:, :, 6:8].reshape(-1)] = -9.0  # B evicts tokens 2..7 (A kept 6, 7)
+    store.decide_prefill([1], threshold=0.0, window=2)
+    held_by_rows = torch.cat([store.row_entries(r, layer, head) for r in (0, 1) for layer in range(L)
+                              for head in range(H)])
+    k_before = store.k[held_by_rows].clone()
+
+    # the store runs short: the reclaim takes back the soft entries of the locked, shared prefix (tokens 2..5,
+    # evicted by both A and B) while both requests still read it
+    store.reclaimer(PER)
+    out["reclaimed_nodes"] = store.reclaimed_nodes
+    free = set(store._free[: store.available].tolist())
+    out["row_entries_freed_early"] = len(free & set(held_by_rows.tolist()))
+    new_ids = store.append([2], [int(store.available // PER)])  # every free entry handed out and overwritten
+    store.k[new_ids.reshape(-1)] = -1.0
+    out["row_k_unchanged"] = bool(torch.equal(store.k[held_by_rows], k_before))
+    store.release(2)
+    out["c_prefix_after_break"] = int(tree.match_prefix(MatchPrefixParams(key=key(prompt_b))).device_prefix_len)
+
+    # A finishes, then B: the broken node is cut once no request locks it; SGLang's eviction empties the rest
+    store.release(0)
+    tree.unlock(lock_a)
+    store.release(1)
+    allocator.free(slots_b)
+    tree.unlock(lock_b)
+    out["idle_after"] = allocator.available_size() + tree.evictable_size()
+    out["cached_entries"], out["tree_tokens"] = store.soft, tree.evictable_size()
+    tree.evict(EvictParams(num_tokens=TOKENS))
+    out["free_after_evict"], out["capacity"] = store.available, store.capacity
+    out["tokens"] = TOKENS
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

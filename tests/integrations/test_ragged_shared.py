@@ -1,0 +1,127 @@
+"""``SharedRaggedStore``: prompts' records shared between rows by reference counts, soft entries, no leak (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+
+L, H, D = 2, 2, 4
+
+
+def make(capacity: int = 400) -> SharedRaggedStore:
+    return SharedRaggedStore(capacity, L, H, D, rows=2, width=4, slots=8)
+
+
+def prefill(store: SharedRaggedStore, row: int, slots: list[int], scores: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense prompt of len(slots) tokens on a new row, recorded under the engine slots ``slots``."""
+    new = store.append([row], [len(slots)])
+    if scores is not None:
+        store.scores[new.reshape(-1)] = scores.reshape(-1)
+    assert store.record([row], [len(slots)], torch.tensor(slots), new) == len(slots)
+    return new
+
+
+def accounted(store: SharedRaggedStore) -> None:
+    """Every entry is exactly one of: free, soft (a record alone holds it), held by rows; the free list is a set."""
+    free = store._free[: store.available].to(torch.int64)
+    assert free.unique().numel() == free.numel()
+    held = store.rowref[: store.capacity] > 0
+    soft = store.recorded[: store.capacity] & ~held
+    assert not bool(held[free].any()) and not bool(store.recorded[free].any())
+    assert int(soft.sum()) == store.soft
+    assert store.available + store.soft + int(held.sum()) == store.capacity
+
+
+def test_a_new_row_adopts_the_full_prefix_another_rows_decisions_pruned():
+    store = make()
+    scores = torch.full((L, H, 6), 5.0)
+    scores[:, :, 1] = -9.0  # token 1 is evicted by a prefill decision (window 2)
+    a = prefill(store, 0, [1, 2, 3, 4, 5, 6], scores)
+    freed = store.decide_prefill([0], threshold=0.0, window=2)
+    assert freed == L * H and store.soft == L * H  # the row let go of token 1's entries: recorded, so soft
+    assert store.available == store.capacity - L * H * 6  # ... not back on the free list
+    assert store.row_held(0) == L * H * 5
+    accounted(store)
+    store.adopt(1, torch.tensor([1, 2, 3, 4]))  # a later prompt sharing the first 4 tokens
+    for layer in range(L):
+        for head in range(H):
+            assert store.row_entries(1, layer, head).tolist() == a[layer, head, :4].tolist()  # token 1 included
+    assert store.soft == 0 and store.logical[1] == 4 and store.adopted[1] == 4 and store.dense_len[1] == 4
+    assert int(store.rowref[a[0, 0, 0]]) == 2
+    accounted(store)
+    new = store.append([1], [3])  # its own suffix, then its own prompt decision over all 7 tokens
+    assert store.record([1], [3], torch.tensor([7, 8, 9]), new) == 3
+    store.decide_prefill([1], threshold=0.0, window=2)
+    accounted(store)
+    store.release(0)
+    store.release(1)
+    accounted(store)
+    assert store.available + store.soft == store.capacity  # at idle only records hold entries
+    store.clear_records()
+    assert store.available == store.capacity and store.soft == 0
+    accounted(store)
+
+
+def test_an_entry_two_rows_hold_is_freed_once_and_only_after_its_record_ends():
+    store = make()
+    a = prefill(store, 0, [1, 2, 3])
+    store.adopt(1, torch.tensor([1, 2, 3]))
+    store.release(0)
+    store.release(1)
+    assert store.soft == L * H * 3 and store.available == store.capacity - L * H * 3
+    assert store.drop_records(torch.tensor([2])) == L * H  # the engine let go of one slot
+    assert not bool(store.recorded[a[:, :, 1].reshape(-1)].any())
+    store.drop_records(torch.tensor([1, 3, 99]))  # a slot without a record is ignored
+    assert store.available == store.capacity
+    accounted(store)
+
+
+def test_only_dense_rows_get_records_and_a_prefix_must_be_recorded():
+    store = make()
+    prefill(store, 0, [1, 2, 3, 4])
+    store.scores[store.row_entries(0, 0, 0)] = -9.0
+    store.decide_prefill([0], threshold=0.0, window=1)
+    new = store.append([0], [1])  # a decode token over a pruned row: not a prompt token kvpress would compute
+    assert store.record([0], [1], torch.tensor([5]), new) == 0
+    new = store.append([2], [2])
+    assert store.record([2], [2], torch.tensor([6, 7]), new, exclude={2}) == 0  # never cached by the engine
+    with pytest.raises(RuntimeError, match="no record"):
+        store.adopt(3, torch.tensor([1, 5]))
+    with pytest.raises(Exception, match="already holds"):
+        store.adopt(0, torch.tensor([1]))
+    accounted(store)
+
+
+def test_an_allocation_short_of_free_entries_asks_the_engine_to_reclaim_soft_ones():
+    store = make(capacity=L * H * 6)
+    scores = torch.full((L, H, 4), -9.0)
+    prefill(store, 0, [1, 2, 3, 4], scores)
+    store.decide_prefill([0], threshold=0.0, window=1)  # 3 of 4 tokens' entries evicted: soft
+    assert store.soft == L * H * 3 and store.available == L * H * 2 and store.reclaimable == L * H * 5
+    asked = []
+
+    def reclaim(short: int) -> None:  # what the engine's tree does: give up records, least recently used first
+        asked.append(short)
+        store.drop_records(torch.tensor([1, 2]))
+
+    store.reclaimer = reclaim
+    store.append([1], [3])
+    assert asked == [L * H] and store.available == L * H and store.soft == L * H
+    accounted(store)
+
+
+def test_soft_entries_an_admitted_request_will_adopt_are_not_room():
+    store = make()
+    scores = torch.full((L, H, 4), -9.0)
+    prefill(store, 0, [1, 2, 3, 4], scores)
+    store.decide_prefill([0], threshold=0.0, window=1)
+    store.release(0)
+    assert store.reclaimable == store.capacity  # at idle: free, or soft (a cached prompt)
+    store.pending[7] = store.soft_per_slot(torch.tensor([1, 2, 3, 4])).sum().item()  # a request admitted on it
+    assert store.reclaimable == store.capacity - L * H * 4
+    store.adopt(1, torch.tensor([1, 2, 3, 4]))
+    store.pending.clear()  # what the engine does once the batch's rows adopted their prefixes
+    assert store.reclaimable == store.capacity - L * H * 4 and store.soft == 0
+    accounted(store)
