@@ -231,6 +231,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     # ragged mode with the radix cache on (ragged_radix.py): SGLang's tree subclassed, built through create_tree_cache
     ApiName("sglang.srt.mem_cache.registry", "create_tree_cache", "function", ("ctx",)),
     ApiName("sglang.srt.mem_cache.registry", "TreeCacheBuildContext.params", "field"),
+    ApiName("sglang.srt.mem_cache.registry", "TreeCacheBuildContext.disable_radix_cache", "field"),
     ApiName("sglang.srt.mem_cache.allocation", "alloc_for_extend", "function", ("batch",)),
     ApiName("sglang.srt.arg_groups.fields.memory", "Memory.disable_radix_cache", "field"),
     ApiName("sglang.srt.arg_groups.fields.memory", "Memory.radix_cache_backend", "field"),

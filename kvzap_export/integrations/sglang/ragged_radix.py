@@ -59,6 +59,7 @@ def radix_cache_class():
         def __init__(self, params):
             self._broken: set = set()  # nodes whose records were reclaimed (reset() runs inside super().__init__)
             self._in_checkpoint = False
+            self._lock_paths: dict[int, list] = {}  # admission lock -> the nodes whose soft entries it set aside
             super().__init__(params)
             allocator = params.token_to_kv_pool_allocator
             store = getattr(allocator, "store", None)
@@ -72,6 +73,7 @@ def radix_cache_class():
         def reset(self):
             super().reset()
             self._broken.clear()
+            self._lock_paths.clear()
 
         # ---- matching: stop before a node whose records were reclaimed ----
         def _match_prefix_helper(self, node, key):
@@ -112,17 +114,29 @@ def radix_cache_class():
 
         def lock(self, node):
             """A lock outside a checkpoint is an admission's (SGLang's PrefillAdder): the request will adopt the
-            path's entries, so its soft entries stop being room until the adoption (``SharedRaggedStore.pending``)."""
+            path's entries, so their soft ones stop being room until the adoption (``SharedRaggedStore.pending``),
+            each node's once however many admissions lock it (adopting makes them held once; SGLang too moves a
+            node out of its evictable count at its first lock only). One read of the device per such lock."""
             held = super().lock(node)
-            if not self._in_checkpoint and node is not self.root_node:
-                soft = int(self.store.soft_per_slot(self.path_device_indices(node)).sum())
-                if soft:
-                    self.store.pending[id(held)] = soft
+            if self._in_checkpoint or node is self.root_node:
+                return held
+            pending = self.store.pending
+            self._lock_paths = {k: v for k, v in self._lock_paths.items() if k in pending}  # the store clears it
+            counted = {n for path in self._lock_paths.values() for n in path}
+            path, n = [], node
+            while n is not self.root_node:
+                path.append(n)
+                n = n.parent
+            fresh = [n for n in path if n not in counted]
+            soft = sum(self.store.soft_per_slot(torch.cat([n.value for n in fresh])).tolist()) if fresh else 0
+            pending[id(held)] = soft
+            self._lock_paths[id(held)] = fresh
             return held
 
         def unlock(self, lock):
             if lock is not None:
                 self.store.pending.pop(id(lock), None)
+                self._lock_paths.pop(id(lock), None)
             super().unlock(lock)
             if not self._in_checkpoint:
                 self._cut_unlocked()
@@ -156,8 +170,10 @@ def radix_cache_class():
                     self.evict(evict_params(num_tokens=-(-short // per_token)))
                 finally:
                     allocator.free_group_end()
-            elif self.evictable_size_ > 0:
-                self.evict(evict_params(num_tokens=-(-short // per_token)))
+            elif self.evictable_size_ > 0:  # a free group is open (not at SGLang 0.5.23's allocation sites): the slots
+                self.evict(evict_params(num_tokens=-(-short // per_token)))  # wait for its end, their records do not
+                if allocator.free_group:
+                    store.drop_records(torch.cat(allocator.free_group))
             if store.available >= target:
                 return
             locked = sorted((n for n in self._nodes() if n.lock_ref > 0 and n not in self._broken),
@@ -212,7 +228,7 @@ def radix_cache_class():
 
 def tree_cache_hook(original_fn, ctx, *args, **kwargs):
     """AROUND ``create_tree_cache``: KVzap's tree when the radix cache is on and no other tree was asked for."""
-    if not shares_prefixes():
+    if ctx.disable_radix_cache or not shares_prefixes():  # SGLang turns it off for some models by itself
         return original_fn(ctx, *args, **kwargs)
     return radix_cache_class()(ctx.params)
 

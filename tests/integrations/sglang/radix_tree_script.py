@@ -44,6 +44,7 @@ def main() -> dict:
     store.decide_prefill([0], threshold=0.0, window=2)
     tree.insert(InsertParams(key=key(prompt_a), value=slots_a.clone()))
     lock_a = tree.lock(tree.match_prefix(MatchPrefixParams(key=key(prompt_a))).last_device_node)
+    store.pending.clear()  # what A's allocation does (its own admission lock set nothing aside it did not use)
     out["soft_after_a"] = store.soft
 
     # request B: A's first 8 tokens and 4 of its own; admission locks the match, its row adopts the full prefix
@@ -52,6 +53,9 @@ def main() -> dict:
     before_lock = allocator.available_size() + tree.evictable_size()
     lock_b = tree.lock(match.last_device_node)
     out["room_lost_at_admission"] = before_lock - (allocator.available_size() + tree.evictable_size())
+    probe = tree.lock(match.last_device_node)  # a second admission of the same prefix sets nothing more aside
+    out["room_lost_at_second_admission"] = before_lock - (allocator.available_size() + tree.evictable_size())
+    tree.unlock(probe)
     out["b_prefix"] = int(match.device_prefix_len)
     prefix_slots = tree.path_device_indices(match.last_device_node)[:8]
     store.adopt(1, prefix_slots)

@@ -322,7 +322,8 @@ def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["idle_start"] == out["tokens"] and out["soft_after_a"] == 16
-    assert out["room_lost_at_admission"] == 4 and out["b_prefix"] == 8 and out["b_holds_a_evicted_tokens"]
+    assert out["room_lost_at_admission"] == 4 and out["room_lost_at_second_admission"] == 4
+    assert out["b_prefix"] == 8 and out["b_holds_a_evicted_tokens"]
     assert out["reclaimed_nodes"] == 1 and out["row_entries_freed_early"] == 0 and out["row_k_unchanged"]
     assert out["c_prefix_after_break"] == 0
     assert out["idle_after"] == out["tokens"] and out["cached_entries"] == 0 and out["tree_tokens"] == 0
