@@ -177,8 +177,7 @@ class SharedRaggedStore(RaggedStore):
         if p == 0:
             return
         slots = slots.reshape(-1).to(self.device, torch.int64)
-        if not bool(self.slot_has[slots.clamp(max=self.slot_has.shape[0] - 1)].all()) or int(slots.max()) >= \
-                self.slot_has.shape[0]:
+        if int(slots.max()) >= self.slot_has.shape[0] or not bool(self.slot_has[slots].all()):
             raise RuntimeError(f"ragged KV store: row {row} adopts {p} slots and some hold no record (the prefix "
                                "cache matched a prefix that was not recorded)")
         ids = self.slot_entries[slots].permute(1, 2, 0).to(torch.int64)  # [L, H, p]

@@ -210,10 +210,11 @@ class RaggedKVzapSGLang(KVzapSGLang):
         if store is None:
             return {}
         if idx is None:  # read from the free list (radix cache on: entries only its tree holds counted apart)
-            cached = getattr(store, "soft", 0)
+            shared = isinstance(store, SharedRaggedStore)
+            cached = store.soft if shared else 0
             out = {"head_slots_held": store.held - cached, "head_slots_free": store.available,
                    "head_slots_pool": store.capacity, "rows": len(store.logical)}
-            if isinstance(store, SharedRaggedStore):
+            if shared:
                 out.update(head_slots_cached=cached, cache_nodes_reclaimed=store.reclaimed_nodes)
             budget = current_plan()
             if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated

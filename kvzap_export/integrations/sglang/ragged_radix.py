@@ -164,15 +164,18 @@ def radix_cache_class():
             store, per_token = self.store, self.entries_per_token
             target = store.available + short
             allocator = self.token_to_kv_pool_allocator
-            if self.evictable_size_ > 0 and allocator.free_group is None:  # the evicted slots' records: one release
-                allocator.free_group_begin()
+            if self.evictable_size_ > 0:
+                # the evicted slots' records released at once, in one group; if a group is already open (not at SGLang
+                # 0.5.23's allocation sites) its slots wait for its end, their records do not
+                ours = allocator.free_group is None
+                if ours:
+                    allocator.free_group_begin()
                 try:
                     self.evict(evict_params(num_tokens=-(-short // per_token)))
                 finally:
-                    allocator.free_group_end()
-            elif self.evictable_size_ > 0:  # a free group is open (not at SGLang 0.5.23's allocation sites): the slots
-                self.evict(evict_params(num_tokens=-(-short // per_token)))  # wait for its end, their records do not
-                if allocator.free_group:
+                    if ours:
+                        allocator.free_group_end()
+                if not ours and allocator.free_group:
                     store.drop_records(torch.cat(allocator.free_group))
             if store.available >= target:
                 return
