@@ -150,7 +150,7 @@ def test_ragged_mode_through_sglangs_decode_kernel_and_the_step_buffers(qwen3, c
     """The GPU's decode path on the CPU engine (``KVZAP_RAGGED_DECODE=flattened``): each step laid out in the buffers a
     CUDA graph would replay (``ragged_decode.DecodeBuffers``), attention through SGLang's own decode kernel (its
     installed module, in Triton's interpreter here). Same tokens as kvpress, same entries freed as the torch path.
-    The first 12 of the reference's 24 tokens (the interpreter runs each kernel program in Python: CI time)."""
+    The reference's first ``SHORT_TOKENS`` tokens (the interpreter runs each kernel program in Python: CI time)."""
     model, bundle = qwen3
     monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -163,8 +163,8 @@ def test_ragged_mode_through_sglangs_decode_kernel_and_the_step_buffers(qwen3, c
 
 def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
     """The other mask backend (flex attention, eager on the CPU), with prompts prefilled in 64-token chunks
-    (decisions wait for the last chunk, so the tokens are still kvpress's). The first 12 of the reference's tokens:
-    flex attention runs eagerly on the CPU (CI time)."""
+    (decisions wait for the last chunk, so the tokens are still kvpress's). The reference's first ``SHORT_TOKENS``
+    tokens: flex attention runs eagerly on the CPU (CI time)."""
     from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.validate.engine_level import run_engine_level
     from tests.conftest import sglang_python
