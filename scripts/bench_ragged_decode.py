@@ -65,7 +65,7 @@ PARTS_GRID = [(16, 32768, 0.7), (16, 32768, 0.4)]  # the layer step's parts, eac
 TARGETS = [("attention", 16, 32768, 0.7, 0.5), ("attention", 16, 32768, 0.4, 0.8), ("attention", 1, 32768, 0.7, 1.0),
            ("layer", 16, 32768, 0.7, 0.65), ("layer", 16, 32768, 0.4, 0.95)]
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
-REPLAY_CASE = (4, 4096, 0.7, 50)  # batch, T, pruned, steps of the replay check
+REPLAY_CASE = (16, 32768, 0.7, 50)  # batch, T, pruned, steps of the replay check
 SPLITS = 32  # max_kv_splits of the default flattened configuration (proportional policy)
 FLUSH_BYTES = 256 << 20
 
