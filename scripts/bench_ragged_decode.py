@@ -8,28 +8,30 @@ Sections (each in try/except: an error is recorded in the JSON and the next sect
 
 - exactness: every attention kernel timed here against ``ragged_attention.ragged_decode_attention`` (the float32
   formula) on one small case with ragged lengths and empty heads;
-- attention: batch 1/16/64 x T 4096/32768 x pruned 0.4/0.7: dense SDPA over every entry ([B, 8, T, 128], the 4 query
-  heads of a group as 4 query positions), SDPA over dense tensors of the kept length (the ideal), SGLang's decode
-  kernel over the flattened rows (``FlattenedDecode``: layout fill + kernel, and the kernel alone; split settings
-  swept at a few rows), our first Triton ragged kernel at a few rows (slow: few repetitions). Each head keeps a
-  length drawn within +-25% of the mean, its entries shuffled in one pool ([E, 128] K and V stores);
+- attention: batch 1/16/64 x T 4096/32768 x pruned 0.4/0.7. Dense, over every entry ([B, 8, T, 128]): SDPA (the 4
+  query heads of a group as 4 query positions) and SGLang's decode kernel (``DenseThroughKernel``: each head one row
+  of all T entries); the ratios' baseline is the faster of the two. SDPA over dense tensors of the kept length (the
+  ideal). Ragged, each head keeping a length drawn within +-25% of the mean, its entries shuffled in one pool ([E,
+  128] K and V stores): the engine's path (``StepAttention``: ``FlattenedStep``'s layout of the layer's rows, then
+  SGLang's kernel; the default row, which the targets read; the kernel alone beside it: the engine lays out every
+  layer once per step), ``FlattenedDecode`` (a layout per call in torch ops; split settings swept at a few rows),
+  our first Triton ragged kernel at a few rows (slow: few repetitions);
 - layer: one decoder layer at decode, modelled in ``kvzap_export/bench/ragged_step.py`` (random bf16 weights, no
-  rotary embedding): dense (K/V written at the end of a full [B, 8, T, 128] cache, SDPA) vs ragged (one-head K/V
-  stores, attention through the flattened kernel, the entry leaving the 128-token window tested against tau), each
-  captured in one CUDA graph and replayed; eager times too;
+  rotary embedding): dense (K/V written at the end of a full [B, 8, T, 128] cache; SDPA, and SGLang's kernel: the
+  faster is the baseline) vs ragged (one-head K/V stores, the layer's layout and SGLang's kernel, the decision
+  kernel for the entry leaving the 128-token window), each captured in one CUDA graph and replayed; eager too;
 - replay (before parts, so that its check is not cut by the time budget): 50 steps of the captured ragged step
   (lengths growing, heads pruned) against the same 50 steps run eagerly from the same starting state: the bookkeeping
   (ids, lengths, free stack top, next ids) must be equal, the attention and layer outputs and the K/V/score stores
   within 1e-2 (max abs differences recorded);
 - parts: the same layer step cut into its parts (front: norm and QKV; K/V write, ragged with the rows' append;
-  scoring: the surrogate and its score write, ragged only; attention: SDPA over the whole cache vs SGLang's kernel
-  over the flattened rows, its layout fill included; back: O, norm and FFN; decisions: the window test, removal and
-  free stack, ragged only), each captured alone in a CUDA graph and timed (batch 16 x 32k, pruned 0.7 and 0.4), the
-  kernel named per row.
+  scoring: the surrogate and its score write, ragged only; attention: SDPA and SGLang's kernel over the whole cache
+  vs the ragged layout and SGLang's kernel over the rows; back: O, norm and FFN; decisions: the decision kernel and
+  the free stack, ragged only), each captured alone in a CUDA graph and timed (batch 16 x 32k, pruned 0.7 and 0.4),
+  the kernel named per row.
 
-The flattened kernel's default configuration (the one the targets read): split policy "proportional", at most
-``SPLITS`` = 32 splits per row (``kernels/flattened_attention.py``). Rows past ``--budget-s`` seconds are skipped
-(listed under "skipped").
+SGLang's kernel runs at most ``SPLITS`` = 32 splits per row, split policy "proportional" (``kernels/flattened_step.py``).
+Rows past ``--budget-s`` seconds are skipped (listed under "skipped").
 
 Timing: CUDA events, warm-ups, a 256 MiB write between calls (L2 flush), median of --reps; effective GB/s counts K
 and V rows read once (plus int32 ids for the ragged kernels). Targets are printed and recorded (informational).
@@ -54,7 +56,8 @@ import torch.nn.functional as F  # noqa: E402
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
 from kvzap_export.bench.ragged_step import (  # noqa: E402
-    Layer, RaggedState, dense_step, kept_lengths, pool_layout, ragged_decide, ragged_score, ragged_step, ragged_write)
+    DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, kept_lengths, pool_layout, ragged_decide,
+    ragged_score, ragged_step, ragged_write)
 
 ATTENTION_GRID = [(b, t, p) for b in (1, 16, 64) for t in (4096, 32768) for p in (0.4, 0.7)]
 OLD_KERNEL_ROWS = {(1, 32768, 0.7), (16, 32768, 0.7), (64, 4096, 0.7)}
@@ -120,6 +123,16 @@ class Bench:
                                     dtype=model.DTYPE, device=model.DEVICE, max_kv_splits=splits,
                                     split_policy=policy, kernels=self.kernels)
 
+    def step_attention(self, batch, entries):
+        """The engine's path (``StepAttention``: ``FlattenedStep``'s layout of one layer, then SGLang's kernel)."""
+        return StepAttention(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, entries,
+                             dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS)
+
+    def dense_kernel(self, batch, seq):
+        """Dense attention through SGLang's kernel over a full [B, 8, T, 128] cache (``DenseThroughKernel``)."""
+        return DenseThroughKernel(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, seq,
+                                  dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS)
+
     def row(self, **fields):
         return {"device": self.device_name, **fields}
 
@@ -140,6 +153,7 @@ class Bench:
         want = ragged_decode_attention(q, k, v, ids, lengths, 1 / math.sqrt(model.HEAD_DIM)).float()
         kernels = {f"sglang-flattened {p} splits {s}": self.flattened(batch, ids.shape[-1], p, s)
                    for p, s in [("proportional", SPLITS), ("max", SPLITS), ("proportional", 2 * SPLITS)]}
+        kernels["sglang-step (engine layout)"] = self.step_attention(batch, total)
         kernels["triton-ragged (ours)"] = ragged_decode_attention_triton
         for name, fn in kernels.items():
             got = fn(q, k, v, ids, lengths, 1 / math.sqrt(model.HEAD_DIM)).float()
@@ -165,10 +179,16 @@ class Bench:
             vd = torch.randn_like(kd)
             q = torch.randn(batch, model.Q_HEADS, model.HEAD_DIM, device=model.DEVICE, generator=g).to(model.DTYPE)
             qd = q.view(batch, model.KV_HEADS, -1, model.HEAD_DIM)
-            dense = self.measure(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+            sdpa = self.measure(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+            through = self.dense_kernel(batch, seq)
+            sglang_dense = self.measure(lambda: through(q, kd, vd, scale))
+            del through
+            dense = min(sdpa, sglang_dense)  # the ratios' baseline: the faster dense attention
             dense_bytes = 2 * batch * model.KV_HEADS * seq * model.HEAD_DIM * 2
-            self.report["attention"].append(self.row(kernel="sdpa-dense", batch=batch, seq=seq, pruned=0.0,
-                                                     time_us=dense * 1e6, gbps=dense_bytes / dense / 1e9, ratio=1.0))
+            for name, t in (("sdpa-dense", sdpa), ("sglang-dense", sglang_dense)):
+                self.report["attention"].append(self.row(kernel=name, batch=batch, seq=seq, pruned=0.0, time_us=t * 1e6,
+                                                         gbps=dense_bytes / t / 1e9, ratio=t / dense,
+                                                         baseline=t == dense))
             for pruned in (0.4, 0.7):
                 lengths = kept_lengths(batch, model.KV_HEADS, seq, pruned, g)
                 ids, total = pool_layout(lengths, int(lengths.max()), g)
@@ -180,8 +200,19 @@ class Bench:
                                                                             scale=scale))
                 self.report["attention"].append(self.row(kernel="sdpa-kept", **base, time_us=ideal * 1e6,
                                                          ratio=ideal / dense, gbps=dense_bytes * kept / seq / ideal / 1e9))
-                configs = [("proportional", SPLITS)] + SWEEP_ROWS.get((batch, seq, pruned), [])
                 ragged_bytes = total * (2 * model.HEAD_DIM * 2 + 4)
+                step = self.step_attention(batch, total)
+                both = self.measure(lambda: step(q, ks, vs, ids, lengths, scale))
+                step.fill(ids, lengths)
+                alone = self.measure(lambda: step.attend(q, ks, vs, scale))
+                before = allocation_count()
+                step(q, ks, vs, ids, lengths, scale)
+                self.report["attention"].append(self.row(
+                    kernel="sglang-step", **base, time_us=both * 1e6, kernel_only_us=alone * 1e6, ratio=both / dense,
+                    ratio_vs_sdpa=both / sdpa, gbps=ragged_bytes / both / 1e9,
+                    allocations_per_call=allocation_count() - before, default=True))
+                del step
+                configs = [("proportional", SPLITS)] + SWEEP_ROWS.get((batch, seq, pruned), [])
                 for policy, splits in configs:
                     flat = self.flattened(batch, ids.shape[-1], policy, splits)
                     both = self.measure(lambda: flat(q, ks, vs, ids, lengths, scale))
@@ -193,7 +224,7 @@ class Bench:
                     self.report["attention"].append(self.row(
                         kernel="sglang-flattened", policy=policy, max_kv_splits=splits, **base, time_us=both * 1e6,
                         kernel_only_us=alone * 1e6, ratio=both / dense, gbps=ragged_bytes / both / 1e9,
-                        allocations_per_call=allocations, default=(policy, splits) == ("proportional", SPLITS)))
+                        allocations_per_call=allocations, default=False))
                     del flat
                 if (batch, seq, pruned) in OLD_KERNEL_ROWS and not self.over_budget():
                     slow = lambda: ragged_decode_attention_triton(q, ks, vs, ids, lengths, scale)  # noqa: E731
@@ -211,7 +242,7 @@ class Bench:
         ids, total = pool_layout(lengths, int(lengths.max()), g)
         steps = 4 * (self.args.warmup + self.args.reps) + 60  # every call below appends one token per head
         st = RaggedState(lengths, ids, total, model.HEAD_DIM, model.DTYPE, g, spare_steps=steps)
-        flat = self.flattened(batch, st.ids.shape[-1])
+        flat = self.step_attention(batch, st.k.shape[0])
         x = torch.randn(batch, model.HIDDEN, device=model.DEVICE, generator=g).to(model.DTYPE)
         return st, flat, x
 
@@ -233,34 +264,44 @@ class Bench:
             if case is None:
                 continue
             kd, vd, st, flat, x = case
-            dense_fn = lambda: dense_step(layer, kd, vd, x)  # noqa: E731
+            through = self.dense_kernel(batch, seq)
+            dense_fns = {"sdpa-dense": lambda: dense_step(layer, kd, vd, x),  # noqa: E731
+                         "sglang-dense": lambda: dense_step(layer, kd, vd, x, attend=through)}  # noqa: E731
             ragged_fn = lambda: ragged_step(layer, st, x, flat, self.args.tau)  # noqa: E731
-            dense_eager, ragged_eager = self.measure(dense_fn), self.measure(ragged_fn)
-            (dense_graph, _), (ragged_graph, _) = graphed(dense_fn), graphed(ragged_fn)
-            dense_g, ragged_g = self.measure(dense_graph.replay), self.measure(ragged_graph.replay)
+            eager = {name: self.measure(fn) for name, fn in dense_fns.items()}
+            graphs = {name: graphed(fn)[0] for name, fn in dense_fns.items()}
+            dense = {name: self.measure(graph.replay) for name, graph in graphs.items()}
+            ragged_eager = self.measure(ragged_fn)
+            ragged_graph, _ = graphed(ragged_fn)
+            ragged_g = self.measure(ragged_graph.replay)
+            best = min(dense, key=dense.get)  # the baseline: the faster dense step, graphed
             self.report["layer"].append(self.row(
-                kernel="sglang-flattened", batch=batch, seq=seq, pruned=pruned, entries=int(st.lengths.sum()),
-                dense_graph_us=dense_g * 1e6, ragged_graph_us=ragged_g * 1e6, ratio=ragged_g / dense_g,
-                dense_eager_us=dense_eager * 1e6, ragged_eager_us=ragged_eager * 1e6,
-                ratio_eager=ragged_eager / dense_eager))
-            del kd, vd, st, flat, dense_graph, ragged_graph
+                kernel="sglang-step", batch=batch, seq=seq, pruned=pruned, entries=int(st.lengths.sum()),
+                dense_baseline=best, dense_graph_us=dense[best] * 1e6, ragged_graph_us=ragged_g * 1e6,
+                ratio=ragged_g / dense[best], dense_eager_us=eager[best] * 1e6, ragged_eager_us=ragged_eager * 1e6,
+                ratio_eager=ragged_eager / eager[best],
+                **{f"{name}_graph_us": t * 1e6 for name, t in dense.items()},
+                **{f"{name}_eager_us": t * 1e6 for name, t in eager.items()}))
+            del kd, vd, st, flat, through, graphs, ragged_graph
             release()
 
     def parts(self):
         """One layer's decode step cut into its parts, each captured alone in a CUDA graph and timed, dense and ragged:
         front (norm, QKV), K/V write (ragged: and the rows' append), scoring (the surrogate and its score write; ragged
-        only), attention (dense: SDPA over the whole cache; ragged: SGLang's kernel over the flattened rows), back (O,
-        norm, FFN), decisions (ragged only: the entry leaving the window tested, removed, the free stack pushed and
-        popped). Every part reads static inputs made by one eager pass; the ragged state has room for every call."""
+        only), attention (dense: SDPA, and SGLang's kernel, over the whole cache; ragged: the layout of the layer's rows
+        (``FlattenedStep.fill``, which the engine does once per step for every layer) and SGLang's kernel over them),
+        back (O, norm, FFN), decisions (ragged only: the decision kernel, the free stack pushed and popped). Every part
+        reads static inputs made by one eager pass; the ragged state has room for every call."""
         layer = Layer(seed=5)
         for batch, seq, pruned in PARTS_GRID:
             case = self.layer_case("parts", batch, seq, pruned, 9)
             if case is None:
                 continue
             kd, vd, st, flat, x = case
+            through = self.dense_kernel(batch, seq)
             h, q, k, v = layer.front(x)
             grouped = q.reshape(batch, model.KV_HEADS, -1, model.HEAD_DIM)
-            attn = flat(q, st.k, st.v, st.ids, st.lengths, layer.scale)
+            attn = flat(q, st.k, st.v, st.ids, st.lengths, layer.scale).clone()
 
             def dense_write():
                 kd[:, :, -1] = k
@@ -268,19 +309,22 @@ class Bench:
 
             common = {"front": lambda: layer.front(x), "back": lambda: layer.back(x, attn.reshape(batch, -1))}
             dense = {**common, "kv_write": dense_write,
-                     "attention": lambda: F.scaled_dot_product_attention(grouped, kd, vd, scale=layer.scale)}
-            # attention first (before kv_write appends to the rows); it includes the layout fill (kv_indptr, kv_indices)
-            ragged = {"attention": lambda: flat(q, st.k, st.v, st.ids, st.lengths, layer.scale), **common,
+                     "attention": lambda: F.scaled_dot_product_attention(grouped, kd, vd, scale=layer.scale),
+                     "attention (sglang-dense)": lambda: through(q, kd, vd, layer.scale)}
+            # layout and attention first (before kv_write appends to the rows)
+            ragged = {"layout": lambda: flat.fill(st.ids, st.lengths),
+                      "attention": lambda: flat.attend(q, st.k, st.v, layer.scale), **common,
                       "scoring": lambda: ragged_score(layer, st, h), "kv_write": lambda: ragged_write(st, k, v),
                       "decisions": lambda: ragged_decide(st, self.args.tau)}
             for mode, parts in (("dense", dense), ("ragged", ragged)):
                 for part, fn in parts.items():
                     graph, _ = graphed(fn)
+                    kernel = {"dense": "sglang-dense" if "sglang" in part else "sdpa-dense", "ragged": "sglang-step"}
                     self.report["parts"].append(self.row(
-                        kernel="sdpa-dense" if mode == "dense" else "sglang-flattened", mode=mode, part=part,
-                        batch=batch, seq=seq, pruned=pruned, graph_us=self.measure(graph.replay) * 1e6))
+                        kernel=kernel[mode], mode=mode, part=part, batch=batch, seq=seq, pruned=pruned,
+                        graph_us=self.measure(graph.replay) * 1e6))
                     del graph
-            del kd, vd, st, flat
+            del kd, vd, st, flat, through
             release()
 
     def replay(self):
@@ -315,7 +359,7 @@ class Bench:
         diff = [max((e[i].float() - r[i].float()).abs().max().item() for e, r in zip(eager_out, graph_out))
                 for i in (0, 1)]
         grown = (st.lengths - initial.lengths).float()
-        self.report["replay"] = self.row(kernel="sglang-flattened", batch=batch, seq=seq, pruned=pruned, steps=steps,
+        self.report["replay"] = self.row(kernel="sglang-step", batch=batch, seq=seq, pruned=pruned, steps=steps,
                                          max_abs_diff_attention=diff[0], max_abs_diff_layer=diff[1],
                                          bookkeeping_equal=same_state, stores_max_abs_diff=stores,
                                          mean_length_growth=grown.mean().item(), min_length_growth=grown.min().item(),
@@ -357,7 +401,8 @@ def print_report(report):
         print(f"attn  b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} {row['kernel'] + extra:<38} "
               f"{row['time_us']:9.1f} us  x{row['ratio']:.2f} dense  {row['gbps']:7.0f} GB/s")
     for row in report["layer"]:
-        print(f"layer b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} graphed dense {row['dense_graph_us']:.0f} us "
+        print(f"layer b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} graphed dense ({row.get('dense_baseline')}) "
+              f"{row['dense_graph_us']:.0f} us "
               f"ragged {row['ragged_graph_us']:.0f} us x{row['ratio']:.2f}; eager {row['dense_eager_us']:.0f} / "
               f"{row['ragged_eager_us']:.0f} us")
     for row in report.get("parts", []):

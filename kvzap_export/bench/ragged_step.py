@@ -1,18 +1,20 @@
 """A pure-torch model of one Llama-3.1-8B decoder layer's decode step, dense vs ragged (docs/ragged-kv.md), as
 ``scripts/bench_ragged_decode.py`` times it. Runs on any device (the benchmark: CUDA, in CUDA graphs; its tests:
-CPU tensors in float32); only torch is imported.
+CPU tensors in float32).
 
 - layouts: each KV head's kept length (``kept_lengths``) and its entries shuffled in one pool (``pool_layout``);
 - the layer (``Layer``: RMSNorm, QKV, attention, O, RMSNorm, SwiGLU FFN; random weights; no rotary embedding, which
   both modes would pay alike) and the KVzap MLP surrogate (hidden -> 512 -> kv_heads, GELU) that scores each token;
-- dense (``dense_step``): K/V written at the end of a full [B, kv_heads, T, D] cache, SDPA over every entry;
+- dense (``dense_step``): K/V written at the end of a full [B, kv_heads, T, D] cache, attention over every entry
+  (SDPA, or any ``attend(q, k, v, scale)`` over the cache, e.g. ``DenseThroughKernel``: SGLang's decode kernel);
 - ragged (``ragged_step`` on a ``RaggedState``): K/V in one-head stores ([E, D] K and V, scores [E]) addressed by
   int32 entry ids per head; the token's K/V and its surrogate score written at preallocated entry ids, the token
   appended to its rows, attention through the given ``attend(q, k, v, ids, lengths, scale)`` callable (the torch
-  formula of ``kernels.ragged_attention``, SGLang's kernel through ``kernels.flattened_attention.FlattenedDecode``),
-  then the decision for the entry leaving the ``WINDOW``-token window: tested against tau and removed from its row
-  if evicted, evicted ids pushed on the free stack and the next step's ids popped. All on the device, no read-back:
-  a step can be captured in a CUDA graph.
+  formula of ``kernels.ragged_attention``; ``StepAttention``: the engine's path, ``kernels.flattened_step``), then
+  the decision for the entry leaving the ``WINDOW``-token window (``kernels.decode_decision``: its Triton kernel on
+  CUDA, its torch formula elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on
+  the free stack and the next step's ids popped. All on the device, no read-back: a step can be captured in a CUDA
+  graph.
 
 Defaults are Llama-3.1-8B's shapes in bf16 on CUDA (the module constants below); every one is a parameter.
 """
@@ -23,6 +25,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from kvzap_export.kernels import decode_decision
 
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN, SURROGATE_HIDDEN, WINDOW = 32, 8, 128, 4096, 14336, 512, 128
 HEADROOM = 64  # steps of room in every row and the pool (warm-ups, repetitions, replays)
@@ -89,15 +93,66 @@ class Layer:
         return F.gelu(h @ self.s1.T + self.b1) @ self.s2.T + self.b2
 
 
-def dense_step(layer: Layer, k_cache, v_cache, x):
-    """K/V written at the last position of full caches [B, H, T, D]; SDPA with each group's query heads as query
-    positions (no mask: a decode query sees every entry)."""
+def dense_step(layer: Layer, k_cache, v_cache, x, attend=None):
+    """K/V written at the last position of full caches [B, H, T, D]; attention over every entry: SDPA with each
+    group's query heads as query positions (no mask: a decode query sees every entry), or ``attend(q, k_cache,
+    v_cache, scale)`` (q [B, q_heads, D]) when given."""
     _, q, k, v = layer.front(x)
     B, H = k.shape[0], k.shape[1]
     k_cache[:, :, -1] = k
     v_cache[:, :, -1] = v
-    attn = F.scaled_dot_product_attention(q.reshape(B, H, -1, q.shape[-1]), k_cache, v_cache, scale=layer.scale)
+    if attend is None:
+        attn = F.scaled_dot_product_attention(q.reshape(B, H, -1, q.shape[-1]), k_cache, v_cache, scale=layer.scale)
+    else:
+        attn = attend(q, k_cache, v_cache, layer.scale)
     return layer.back(x, attn.reshape(B, -1))
+
+
+class StepAttention:
+    """Ragged decode attention as the engine runs it (``integrations/sglang/ragged_decode.py``): the rows laid out by
+    ``kernels.flattened_step.FlattenedStep`` (its Triton id copy on CUDA), then SGLang's decode kernel over them.
+    Called like ``attend(q, k, v, ids, lengths, scale)`` with ids [B, H, W] and lengths [B, H]. The engine lays out
+    every layer's rows once per step, outside its graph; a call here lays out this one layer's rows first (inside
+    the graph when captured): at least the engine's per-layer share of that work. ``fill`` and ``attend`` apart time
+    the two. ``out``: the last call's output buffer [max_batch, q_heads, D]."""
+
+    def __init__(self, max_batch, kv_heads, group, head_dim, entries, *, dtype, device, kernels, max_kv_splits=32,
+                 use_triton=None):
+        from kvzap_export.kernels.flattened_step import FlattenedStep
+
+        self.step = FlattenedStep(1, max_batch, kv_heads, group, head_dim, entries, dtype=dtype, device=device,
+                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton)
+        self.slots = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self.out = torch.zeros(max_batch, kv_heads * group, head_dim, dtype=dtype, device=device)
+
+    def fill(self, ids, lengths) -> None:
+        B, H, W = ids.shape
+        self.step.fill(ids.view(B, 1, H, W), lengths.view(B, 1, H), self.slots[:B], W)
+
+    def attend(self, q, k, v, scale):
+        return self.step.attend(0, q, k, v, scale, self.out[: q.shape[0]])
+
+    def __call__(self, q, k, v, ids, lengths, scale):
+        self.fill(ids, lengths)
+        return self.attend(q, k, v, scale)
+
+
+class DenseThroughKernel:
+    """Dense decode attention through SGLang's decode kernel: every (request, KV head) of a full cache [B, H, T, D]
+    one row of all T entries (the cache read in place), laid out once; ``attend(q, k_cache, v_cache, scale)`` as
+    ``dense_step`` takes it. A second dense baseline beside SDPA (at batch 1 SDPA's kernel runs few programs)."""
+
+    def __init__(self, batch, kv_heads, group, head_dim, seq, *, dtype, device, kernels, max_kv_splits=32,
+                 use_triton=None):
+        entries = batch * kv_heads * seq
+        self.rows = StepAttention(batch, kv_heads, group, head_dim, entries, dtype=dtype, device=device,
+                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton)
+        ids = torch.arange(entries, dtype=torch.int32, device=device).view(batch, kv_heads, seq)
+        self.rows.fill(ids, torch.full((batch, kv_heads), seq, dtype=torch.int32, device=device))
+
+    def __call__(self, q, k_cache, v_cache, scale):
+        D = k_cache.shape[-1]
+        return self.rows.attend(q, k_cache.view(-1, D), v_cache.view(-1, D), scale)
 
 
 class RaggedState:
@@ -119,6 +174,8 @@ class RaggedState:
         self.free = self.free.to(torch.int32)
         self.top = torch.full((1,), E - total, dtype=torch.int64, device=device)
         self.fresh = torch.zeros(B, H, dtype=torch.int32, device=device)
+        self.leaving = torch.ones(B * H, dtype=torch.int32, device=device)  # every row appends a token per step
+        self.freed = torch.zeros(B * H, dtype=torch.int32, device=device)  # the decision's evicted id per row, or -1
         self._pop()
 
     def _pop(self):
@@ -152,30 +209,31 @@ def ragged_score(layer: Layer, st: RaggedState, h) -> None:
     st.scores.index_copy_(0, fresh, layer.scores(h).reshape(-1).to(st.scores.dtype))
 
 
-def ragged_decide(st: RaggedState, tau: float) -> None:
+def ragged_decide(st: RaggedState, tau: float, use_triton: bool | None = None) -> None:
     """The entry that left the window (row index length - window - 1; undecided entries are all held) tested against
-    tau and removed from its row if evicted; evicted ids pushed on the free stack, the next step's ids popped."""
-    start = st.lengths.to(torch.int64) - WINDOW - 1
-    columns = start.clamp(min=0)[..., None] + torch.arange(WINDOW + 1, device=st.ids.device)
-    tail = st.ids.gather(2, columns)
-    candidate = tail[..., 0]
-    evict = (st.scores[candidate.to(torch.int64)] < tau) & (start >= 0)
-    shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
-    st.ids.scatter_(2, columns, torch.where(evict[..., None], shifted, tail))
-    st.lengths.sub_(evict.to(torch.int32))
-    gone = evict.view(-1)
+    tau and removed from its row if evicted (``kernels.decode_decision``: its Triton kernel, one launch for every
+    row, by default on CUDA; its torch formula elsewhere); evicted ids pushed on the free stack, the next step's ids
+    popped."""
+    B, H, W = st.ids.shape
+    ids, lengths = st.ids.view(B * H, W), st.lengths.view(B * H)
+    if st.ids.is_cuda if use_triton is None else use_triton:
+        decode_decision.launch_decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW, st.freed)
+    else:
+        st.freed.copy_(decode_decision.decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW))
+    gone = st.freed >= 0
     where = torch.where(gone, st.top + torch.cumsum(gone, 0) - 1, st.free.shape[0] - 1)
-    st.free.index_put_((where,), candidate.view(-1))
+    st.free.index_put_((where,), st.freed)
     st.top.add_(gone.sum())
     st._pop()
 
 
-def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float):
-    """One decode step of the ragged mode (see the module docstring); ``attend(q, k, v, ids, lengths, scale)``."""
+def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float, use_triton: bool | None = None):
+    """One decode step of the ragged mode (see the module docstring); ``attend(q, k, v, ids, lengths, scale)``;
+    ``use_triton``: the decision's path (``ragged_decide``)."""
     h, q, k, v = layer.front(x)
     ragged_write(st, k, v)
     ragged_score(layer, st, h)
     attn = attend(q, st.k, st.v, st.ids, st.lengths, layer.scale)
     out = layer.back(x, attn.reshape(k.shape[0], -1))
-    ragged_decide(st, tau)
+    ragged_decide(st, tau, use_triton)
     return out

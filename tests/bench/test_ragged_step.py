@@ -96,22 +96,50 @@ def test_state_copies_keep_the_buffers():
 
 @INTERPRETED
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_ragged_step_through_sglangs_kernel_in_the_interpreter(sglang_kernel_path):
-    """The step with attention through ``FlattenedDecode`` (SGLang's kernel, Triton's interpreter, float32) gives
-    what it gives through the torch path."""
+@pytest.mark.parametrize("path", ["FlattenedDecode", "StepAttention"])
+def test_ragged_step_through_sglangs_kernel_in_the_interpreter(sglang_kernel_path, path):
+    """The step with attention through SGLang's kernel (Triton's interpreter, float32: ``FlattenedDecode``, or
+    ``StepAttention``, the engine's layout with its Triton id copy) and the decision through its Triton kernel gives
+    what it gives through the torch paths (the attention formula, the decision's torch formula)."""
+    from kvzap_export.bench.ragged_step import StepAttention
     from kvzap_export.kernels import sglang_kernels
     from kvzap_export.kernels.flattened_attention import FlattenedDecode
 
     source = sglang_kernel_path  # the fixture skips, saying so, without SGLang's kernel file
+    kernels = sglang_kernels.load(source or None)
     layer = Layer(**SMALL)
     st = state([[129, 170], [133, 140]], spare=6)
-    flat = FlattenedDecode(2, 2, 4, 16, st.ids.shape[-1], dtype=torch.float32, device="cpu", max_kv_splits=4,
-                           kernels=sglang_kernels.load(source or None))
+    if path == "FlattenedDecode":
+        flat = FlattenedDecode(2, 2, 4, 16, st.ids.shape[-1], dtype=torch.float32, device="cpu", max_kv_splits=4,
+                               kernels=kernels)
+    else:
+        flat = StepAttention(2, 2, 4, 16, st.k.shape[0], dtype=torch.float32, device="cpu", kernels=kernels,
+                             max_kv_splits=4, use_triton=True)
     twin = st.clone()
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
         x = torch.randn(2, 64, generator=g)
-        got = ragged_step(layer, st, x, flat, tau=0.0)
-        want = ragged_step(layer, twin, x, decode_attention, tau=0.0)
+        got = ragged_step(layer, st, x, flat, tau=0.0, use_triton=True)
+        want = ragged_step(layer, twin, x, decode_attention, tau=0.0, use_triton=False)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(st.lengths, twin.lengths) and torch.equal(st.ids, twin.ids)
+        assert torch.equal(st.free, twin.free) and torch.equal(st.top, twin.top) and torch.equal(st.fresh, twin.fresh)
+    assert int((st.lengths < torch.tensor([[129, 170], [133, 140]], dtype=torch.int32) + 3).sum()) > 0  # some evicted
+
+
+@INTERPRETED
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_dense_step_through_sglangs_kernel_equals_sdpa(sglang_kernel_path):
+    """``DenseThroughKernel`` (every head one row of all T entries, SGLang's kernel in the interpreter) gives the
+    dense step SDPA gives."""
+    from kvzap_export.bench.ragged_step import DenseThroughKernel
+    from kvzap_export.kernels import sglang_kernels
+
+    layer = Layer(**SMALL)
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache, x = torch.randn(3, 2, 200, 16, generator=g), torch.randn(3, 2, 200, 16, generator=g), torch.randn(3, 64, generator=g)
+    dense = DenseThroughKernel(3, 2, 4, 16, 200, dtype=torch.float32, device="cpu", max_kv_splits=4,
+                               kernels=sglang_kernels.load(sglang_kernel_path or None), use_triton=True)
+    want = dense_step(layer, k_cache.clone(), v_cache.clone(), x)
+    got = dense_step(layer, k_cache, v_cache, x, attend=dense)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

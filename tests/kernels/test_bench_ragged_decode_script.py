@@ -95,17 +95,25 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     args = bench.parse_args(["--reps", "1", "--warmup", "0"])
     report, code = bench.run(args, sglang_kernels.load(source or None))
     assert report["errors"] == [] and code == 0, report["errors"]
-    assert [r["passed"] for r in report["exactness"]] == [True] * 4
+    assert [r["passed"] for r in report["exactness"]] == [True] * 5
     kernels = [(r["kernel"], r["pruned"]) for r in report["attention"]]
-    assert kernels == [("sdpa-dense", 0.0), ("sdpa-kept", 0.4), ("sglang-flattened", 0.4), ("sdpa-kept", 0.7),
-                       ("sglang-flattened", 0.7), ("sglang-flattened", 0.7), ("triton-ragged (ours)", 0.7)]
+    assert kernels == [("sdpa-dense", 0.0), ("sglang-dense", 0.0), ("sdpa-kept", 0.4), ("sglang-step", 0.4),
+                       ("sglang-flattened", 0.4), ("sdpa-kept", 0.7), ("sglang-step", 0.7), ("sglang-flattened", 0.7),
+                       ("sglang-flattened", 0.7), ("triton-ragged (ours)", 0.7)]
+    assert [r["kernel"] for r in report["attention"] if r.get("default")] == ["sglang-step"] * 2
+    assert sum(bool(r.get("baseline")) for r in report["attention"]) == 1  # one dense baseline per (batch, T)
+    layer = report["layer"][0]
+    assert layer["dense_baseline"] in ("sdpa-dense", "sglang-dense")
+    assert layer["dense_graph_us"] == min(layer["sdpa-dense_graph_us"], layer["sglang-dense_graph_us"])
     rows = report["attention"] + report["layer"] + report["parts"] + report["exactness"] + [report["replay"]]
     assert all(r["device"] == "cpu (test)" and r["kernel"] for r in rows)
     parts = {(r["mode"], r["part"]): r for r in report["parts"]}
     common = {"front", "kv_write", "attention", "back"}
-    assert set(parts) == {("dense", p) for p in common} | {("ragged", p) for p in common | {"scoring", "decisions"}}
-    assert all(r["graph_us"] > 0 and r["kernel"] == {"dense": "sdpa-dense", "ragged": "sglang-flattened"}[r["mode"]]
-               and (r["batch"], r["seq"], r["pruned"]) == (2, 512, 0.7) for r in parts.values())
+    assert set(parts) == ({("dense", p) for p in common | {"attention (sglang-dense)"}}
+                          | {("ragged", p) for p in common | {"layout", "scoring", "decisions"}})
+    assert all(r["graph_us"] > 0 and (r["batch"], r["seq"], r["pruned"]) == (2, 512, 0.7) for r in parts.values())
+    assert {r["kernel"] for r in parts.values() if r["mode"] == "ragged"} == {"sglang-step"}
+    assert parts[("dense", "attention (sglang-dense)")]["kernel"] == "sglang-dense"
     assert report["replay"]["passed"] and report["replay"]["bookkeeping_equal"]
     assert report["replay"]["evicted_fraction"] > 0  # heads were pruned during the replayed steps
     assert [t["name"].split(":")[0] for t in report["targets"]] == ["attention batch 2 T 512 pruned 0.7",
