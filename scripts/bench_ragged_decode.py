@@ -55,9 +55,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
+from kvzap_export.bench.ragged_report import print_report  # noqa: E402
 from kvzap_export.bench.ragged_step import (  # noqa: E402
-    DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, kept_lengths, pool_layout, ragged_decide,
-    ragged_score, ragged_step, ragged_write)
+    DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, dense_variants, kept_lengths, pool_layout,
+    ragged_decide, ragged_score, ragged_step, ragged_write)
 
 ATTENTION_GRID = [(b, t, p) for b in (1, 16, 64) for t in (4096, 32768) for p in (0.4, 0.7)]
 OLD_KERNEL_ROWS = {(1, 32768, 0.7), (16, 32768, 0.7), (64, 4096, 0.7)}
@@ -113,6 +114,14 @@ class Bench:
         self.report = {"device": self.device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
                        "kernel_source": kernels.source.as_dict(), "exactness": [], "attention": [], "layer": [], "parts": [],
                        "replay": None, "targets": [], "errors": [], "skipped": []}
+
+    def graphed_time(self, fn) -> float:
+        """Median seconds of ``fn`` replayed from a CUDA graph: the launches' host overhead out, as an engine decodes."""
+        graph, _ = graphed(fn)
+        try:
+            return self.measure(graph.replay)
+        finally:
+            del graph
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.started > self.args.budget_s
@@ -178,14 +187,15 @@ class Bench:
                              dtype=model.DTYPE)
             vd = torch.randn_like(kd)
             q = torch.randn(batch, model.Q_HEADS, model.HEAD_DIM, device=model.DEVICE, generator=g).to(model.DTYPE)
-            qd = q.view(batch, model.KV_HEADS, -1, model.HEAD_DIM)
-            sdpa = self.measure(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
             through = self.dense_kernel(batch, seq)
-            sglang_dense = self.measure(lambda: through(q, kd, vd, scale))
+            sdpa_fns = dense_variants()
+            times = {name: self.graphed_time(lambda f=f: f(q, kd, vd, scale)) for name, f in sdpa_fns.items()}
+            times["sglang-dense"] = self.graphed_time(lambda: through(q, kd, vd, scale))
             del through
-            dense = min(sdpa, sglang_dense)  # the ratios' baseline: the faster dense attention
+            dense = min(times.values())  # the ratios' baseline: the fastest dense attention
+            sdpa_name = min(sdpa_fns, key=times.get)
             dense_bytes = 2 * batch * model.KV_HEADS * seq * model.HEAD_DIM * 2
-            for name, t in (("sdpa-dense", sdpa), ("sglang-dense", sglang_dense)):
+            for name, t in times.items():
                 self.report["attention"].append(self.row(kernel=name, batch=batch, seq=seq, pruned=0.0, time_us=t * 1e6,
                                                          gbps=dense_bytes / t / 1e9, ratio=t / dense,
                                                          baseline=t == dense))
@@ -196,36 +206,26 @@ class Bench:
                 vs = torch.randn_like(ks)
                 kept = round((1 - pruned) * seq)
                 base = dict(batch=batch, seq=seq, pruned=pruned, entries=total)
-                ideal = self.measure(lambda: F.scaled_dot_product_attention(qd, kd[:, :, :kept], vd[:, :, :kept],
-                                                                            scale=scale))
-                self.report["attention"].append(self.row(kernel="sdpa-kept", **base, time_us=ideal * 1e6,
-                                                         ratio=ideal / dense, gbps=dense_bytes * kept / seq / ideal / 1e9))
+                ideal = self.graphed_time(lambda: sdpa_fns[sdpa_name](q, kd[:, :, :kept], vd[:, :, :kept], scale))
+                self.report["attention"].append(self.row(kernel=f"{sdpa_name} over the kept length", **base,
+                                                         time_us=ideal * 1e6, ratio=ideal / dense,
+                                                         gbps=dense_bytes * kept / seq / ideal / 1e9))
                 ragged_bytes = total * (2 * model.HEAD_DIM * 2 + 4)
-                step = self.step_attention(batch, total)
-                both = self.measure(lambda: step(q, ks, vs, ids, lengths, scale))
-                step.fill(ids, lengths)
-                alone = self.measure(lambda: step.attend(q, ks, vs, scale))
-                before = allocation_count()
-                step(q, ks, vs, ids, lengths, scale)
-                self.report["attention"].append(self.row(
-                    kernel="sglang-step", **base, time_us=both * 1e6, kernel_only_us=alone * 1e6, ratio=both / dense,
-                    ratio_vs_sdpa=both / sdpa, gbps=ragged_bytes / both / 1e9,
-                    allocations_per_call=allocation_count() - before, default=True))
-                del step
-                configs = [("proportional", SPLITS)] + SWEEP_ROWS.get((batch, seq, pruned), [])
-                for policy, splits in configs:
-                    flat = self.flattened(batch, ids.shape[-1], policy, splits)
-                    both = self.measure(lambda: flat(q, ks, vs, ids, lengths, scale))
-                    flat.fill(ids, lengths)
-                    alone = self.measure(lambda: flat.attend(q, ks, vs, scale))
+                rows = [("sglang-step", self.step_attention(batch, total), {"default": True})]
+                rows += [("sglang-flattened", self.flattened(batch, ids.shape[-1], policy, splits),
+                          {"policy": policy, "max_kv_splits": splits, "default": False})
+                         for policy, splits in [("proportional", SPLITS)] + SWEEP_ROWS.get((batch, seq, pruned), [])]
+                for name, attend, extra in rows:
+                    both = self.graphed_time(lambda: attend(q, ks, vs, ids, lengths, scale))
+                    attend.fill(ids, lengths)
+                    alone = self.graphed_time(lambda: attend.attend(q, ks, vs, scale))
                     before = allocation_count()
-                    flat(q, ks, vs, ids, lengths, scale)
-                    allocations = allocation_count() - before
+                    attend(q, ks, vs, ids, lengths, scale)
                     self.report["attention"].append(self.row(
-                        kernel="sglang-flattened", policy=policy, max_kv_splits=splits, **base, time_us=both * 1e6,
-                        kernel_only_us=alone * 1e6, ratio=both / dense, gbps=ragged_bytes / both / 1e9,
-                        allocations_per_call=allocations, default=False))
-                    del flat
+                        kernel=name, **base, time_us=both * 1e6, kernel_only_us=alone * 1e6, ratio=both / dense,
+                        kernel_only_ratio=alone / dense, gbps=ragged_bytes / both / 1e9,
+                        allocations_per_call=allocation_count() - before, **extra))
+                del rows, attend
                 if (batch, seq, pruned) in OLD_KERNEL_ROWS and not self.over_budget():
                     slow = lambda: ragged_decode_attention_triton(q, ks, vs, ids, lengths, scale)  # noqa: E731
                     old = timer(self.flush, 1, 5)(slow)
@@ -265,8 +265,8 @@ class Bench:
                 continue
             kd, vd, st, flat, x = case
             through = self.dense_kernel(batch, seq)
-            dense_fns = {"sdpa-dense": lambda: dense_step(layer, kd, vd, x),  # noqa: E731
-                         "sglang-dense": lambda: dense_step(layer, kd, vd, x, attend=through)}  # noqa: E731
+            attends = {**dense_variants(), "sglang-dense": through}
+            dense_fns = {name: lambda a=a: dense_step(layer, kd, vd, x, attend=a) for name, a in attends.items()}
             ragged_fn = lambda: ragged_step(layer, st, x, flat, self.args.tau)  # noqa: E731
             eager = {name: self.measure(fn) for name, fn in dense_fns.items()}
             graphs = {name: graphed(fn)[0] for name, fn in dense_fns.items()}
@@ -300,7 +300,6 @@ class Bench:
             kd, vd, st, flat, x = case
             through = self.dense_kernel(batch, seq)
             h, q, k, v = layer.front(x)
-            grouped = q.reshape(batch, model.KV_HEADS, -1, model.HEAD_DIM)
             attn = flat(q, st.k, st.v, st.ids, st.lengths, layer.scale).clone()
 
             def dense_write():
@@ -308,9 +307,9 @@ class Bench:
                 vd[:, :, -1] = v
 
             common = {"front": lambda: layer.front(x), "back": lambda: layer.back(x, attn.reshape(batch, -1))}
+            attends = {**dense_variants(), "sglang-dense": through}
             dense = {**common, "kv_write": dense_write,
-                     "attention": lambda: F.scaled_dot_product_attention(grouped, kd, vd, scale=layer.scale),
-                     "attention (sglang-dense)": lambda: through(q, kd, vd, layer.scale)}
+                     **{f"attention ({name})": lambda a=a: a(q, kd, vd, layer.scale) for name, a in attends.items()}}
             # layout and attention first (before kv_write appends to the rows)
             ragged = {"layout": lambda: flat.fill(st.ids, st.lengths),
                       "attention": lambda: flat.attend(q, st.k, st.v, layer.scale), **common,
@@ -319,9 +318,10 @@ class Bench:
             for mode, parts in (("dense", dense), ("ragged", ragged)):
                 for part, fn in parts.items():
                     graph, _ = graphed(fn)
-                    kernel = {"dense": "sglang-dense" if "sglang" in part else "sdpa-dense", "ragged": "sglang-step"}
+                    kernel = part[part.find("(") + 1: -1] if mode == "dense" and "(" in part else \
+                        {"dense": "dense", "ragged": "sglang-step"}[mode]
                     self.report["parts"].append(self.row(
-                        kernel=kernel[mode], mode=mode, part=part, batch=batch, seq=seq, pruned=pruned,
+                        kernel=kernel, mode=mode, part=part, batch=batch, seq=seq, pruned=pruned,
                         graph_us=self.measure(graph.replay) * 1e6))
                     del graph
             del kd, vd, st, flat, through
@@ -387,33 +387,6 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=110.0, help="skip remaining rows past this many seconds")
     parser.add_argument("--only", default="exactness,attention,layer,replay,parts")
     return parser.parse_args(argv)
-
-
-def print_report(report):
-    source = report["kernel_source"]
-    print(f"# {report['device']} — kernel source: {source['origin']} {source['location']} "
-          f"(stood in: {', '.join(source['stood_in']) or 'none'})")
-    for row in report["exactness"]:
-        print(f"exact {row['kernel']:<38} max err {row['max_abs_err']:.2e} (ref {row['max_abs_ref']:.2f}) "
-              f"{'ok' if row['passed'] else 'FAILED'}")
-    for row in report["attention"]:
-        extra = f" {row.get('policy', '')} {row.get('max_kv_splits', '')}".rstrip()
-        print(f"attn  b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} {row['kernel'] + extra:<38} "
-              f"{row['time_us']:9.1f} us  x{row['ratio']:.2f} dense  {row['gbps']:7.0f} GB/s")
-    for row in report["layer"]:
-        print(f"layer b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} graphed dense ({row.get('dense_baseline')}) "
-              f"{row['dense_graph_us']:.0f} us "
-              f"ragged {row['ragged_graph_us']:.0f} us x{row['ratio']:.2f}; eager {row['dense_eager_us']:.0f} / "
-              f"{row['ragged_eager_us']:.0f} us")
-    for row in report.get("parts", []):
-        print(f"part  b{row['batch']:<3} T{row['seq']:<6} p{row['pruned']:<4} {row['mode']:<6} {row['part']:<10} "
-              f"{row['graph_us']:9.1f} us (graphed, {row['kernel']})")
-    if report["replay"]:
-        print(f"replay {report['replay']}")
-    for target in report["targets"]:
-        print(f"target {target['name']}: {target['value']} -> {target['passed']}")
-    for error in report["errors"]:
-        print(f"ERROR in {error['section']}: {error['error']}")
 
 
 def run(args, kernels) -> tuple[dict, int]:

@@ -108,6 +108,30 @@ def dense_step(layer: Layer, k_cache, v_cache, x, attend=None):
     return layer.back(x, attn.reshape(B, -1))
 
 
+def sdpa_grouped(q, k, v, scale):
+    """Dense SDPA over a [B, 8, T, D] cache, each group's 4 query heads as 4 query positions of its KV head."""
+    B, Hq, D = q.shape
+    return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], Hq // k.shape[1], D), k, v, scale=scale)
+
+
+def sdpa_gqa(q, k, v, scale):
+    """Dense SDPA over a [B, 8, T, D] cache, 32 query heads of one position each, ``enable_gqa``."""
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+
+
+def dense_variants() -> dict:
+    """The SDPA layouts this torch runs ({name: fn(q, k, v, scale)}): their speeds differ by batch (SDPA picks its
+    kernel by shape), so each is timed and the faster taken."""
+    fns = {"sdpa-dense": sdpa_grouped}
+    q = torch.zeros(1, Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k = torch.zeros(1, KV_HEADS, 8, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    try:
+        sdpa_gqa(q, k, k, 1.0)
+    except (TypeError, RuntimeError):  # no enable_gqa in this torch, or no kernel for it here
+        return fns
+    return {**fns, "sdpa-gqa": sdpa_gqa}
+
+
 class StepAttention:
     """Ragged decode attention as the engine runs it (``integrations/sglang/ragged_decode.py``): the rows laid out by
     ``kernels.flattened_step.FlattenedStep`` (its Triton id copy on CUDA), then SGLang's decode kernel over them.
@@ -175,13 +199,8 @@ class RaggedState:
         self.top = torch.full((1,), E - total, dtype=torch.int64, device=device)
         self.fresh = torch.zeros(B, H, dtype=torch.int32, device=device)
         self.leaving = torch.ones(B * H, dtype=torch.int32, device=device)  # every row appends a token per step
-        self.freed = torch.zeros(B * H, dtype=torch.int32, device=device)  # the decision's evicted id per row, or -1
-        self._pop()
-
-    def _pop(self):
-        BH = self.fresh.numel()
-        self.fresh.view(-1).copy_(self.free[self.top - BH + torch.arange(BH, device=self.top.device)])
-        self.top.sub_(BH)
+        self.freed = torch.full((B * H,), -1, dtype=torch.int32, device=device)  # a decision's evicted id per row
+        decode_decision.recycle(self.freed, self.free, self.top, self.fresh)  # the first step's ids
 
     def clone(self):
         other = object.__new__(RaggedState)
@@ -211,20 +230,16 @@ def ragged_score(layer: Layer, st: RaggedState, h) -> None:
 
 def ragged_decide(st: RaggedState, tau: float, use_triton: bool | None = None) -> None:
     """The entry that left the window (row index length - window - 1; undecided entries are all held) tested against
-    tau and removed from its row if evicted (``kernels.decode_decision``: its Triton kernel, one launch for every
-    row, by default on CUDA; its torch formula elsewhere); evicted ids pushed on the free stack, the next step's ids
-    popped."""
+    tau and removed from its row if evicted, evicted ids pushed on the free stack, the next step's ids popped
+    (``kernels.decode_decision``: its two Triton kernels by default on CUDA, its torch formulas elsewhere)."""
     B, H, W = st.ids.shape
     ids, lengths = st.ids.view(B * H, W), st.lengths.view(B * H)
     if st.ids.is_cuda if use_triton is None else use_triton:
         decode_decision.launch_decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW, st.freed)
+        decode_decision.launch_recycle(st.freed, st.free, st.top, st.fresh)
     else:
         st.freed.copy_(decode_decision.decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW))
-    gone = st.freed >= 0
-    where = torch.where(gone, st.top + torch.cumsum(gone, 0) - 1, st.free.shape[0] - 1)
-    st.free.index_put_((where,), st.freed)
-    st.top.add_(gone.sum())
-    st._pop()
+        decode_decision.recycle(st.freed, st.free, st.top, st.fresh)
 
 
 def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float, use_triton: bool | None = None):

@@ -12,6 +12,12 @@ Rows shorter than ``window + 1`` are left alone.
 - ``launch_decide_leaving``: one Triton program per row, in place (a barrier between the row's loads and its
   stores: the shift overlaps itself), no host sync, no allocation given ``freed``: what an engine captures in its
   decode CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (tests).
+
+What a decision frees goes back to a free stack on the device, and the next step's entry ids come from it, inside
+the same graph: ``recycle`` (the torch formula) and ``launch_recycle`` (one Triton program) push the freed ids
+(``freed[r] >= 0``) in row order on ``free[:top]`` and pop ``fresh.numel()`` ids from the new top
+(``fresh[i] = free[top' - n + i]``). ``free`` has one spare element past its capacity, which the formula writes for
+rows that freed nothing; the caller keeps at least ``n`` ids on the stack.
 """
 
 from __future__ import annotations
@@ -56,7 +62,34 @@ def decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tenso
     return torch.where(evict, candidate, -1).to(torch.int32)
 
 
+def recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
+    """The torch formula of the free stack's push and pop (module docstring): freed int32 [rows], free int32
+    [capacity + 1], top int64 [1], fresh int32 (any shape); all in place, no host read."""
+    gone = freed >= 0
+    where = torch.where(gone, top + torch.cumsum(gone, 0) - 1, free.shape[0] - 1)  # the spare element: nothing freed
+    free.index_put_((where,), freed.to(free.dtype))
+    top.add_(gone.sum())
+    n = fresh.numel()
+    fresh.view(-1).copy_(free[top - n + torch.arange(n, device=top.device)])
+    top.sub_(n)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _recycle_kernel(freed_ptr, free_ptr, top_ptr, fresh_ptr, rows, n_fresh, ROWS: tl.constexpr,
+                        FRESH: tl.constexpr):
+        offs = tl.arange(0, ROWS)
+        freed = tl.load(freed_ptr + offs, mask=offs < rows, other=-1)
+        gone = freed >= 0
+        top = tl.load(top_ptr)
+        rank = tl.cumsum(gone.to(tl.int32), 0) - 1  # a freed id's place above the old top, in row order
+        tl.store(free_ptr + top + rank, freed, mask=gone)
+        new_top = top + tl.sum(gone.to(tl.int32), 0) - n_fresh
+        tl.debug_barrier()  # every push stored before any thread pops (a pop may read a pushed id)
+        f = tl.arange(0, FRESH)
+        tl.store(fresh_ptr + f, tl.load(free_ptr + new_top + f, mask=f < n_fresh, other=0), mask=f < n_fresh)
+        tl.store(top_ptr, new_top)
 
     @triton.jit(do_not_specialize=["window"])
     def _decide_leaving_kernel(scores_ptr, ids_ptr, lengths_ptr, leaving_ptr, freed_ptr, threshold, window, stride_row,
@@ -99,3 +132,19 @@ def launch_decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torc
         _decide_leaving_kernel[(rows,)](scores, ids, lengths, leaving, freed, float(threshold), int(window),
                                         ids.stride(0), SPAN=span)
     return freed
+
+
+def launch_recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
+    """The Triton kernel of ``recycle`` (same contract; contiguous int32 freed, free and fresh, int64 top): one
+    program, no host sync, no allocation."""
+    if triton is None:
+        from kvzap_export.errors import MissingDependencyError
+
+        raise MissingDependencyError("the free stack kernel needs triton: pip install 'kvzap-export[gpu]'")
+    if not (freed.dtype == free.dtype == fresh.dtype == torch.int32 and top.dtype == torch.int64 and top.numel() == 1):
+        raise InputError("free stack kernel: freed, free and fresh int32, top int64 [1]")
+    if not (freed.is_contiguous() and free.is_contiguous() and fresh.is_contiguous()):
+        raise InputError("free stack kernel: freed, free and fresh contiguous")
+    rows, n = freed.numel(), fresh.numel()
+    _recycle_kernel[(1,)](freed, free, top, fresh, rows, n, ROWS=max(16, triton.next_power_of_2(max(rows, 1))),
+                          FRESH=max(16, triton.next_power_of_2(max(n, 1))))

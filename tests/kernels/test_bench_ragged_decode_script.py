@@ -97,23 +97,27 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     assert report["errors"] == [] and code == 0, report["errors"]
     assert [r["passed"] for r in report["exactness"]] == [True] * 5
     kernels = [(r["kernel"], r["pruned"]) for r in report["attention"]]
-    assert kernels == [("sdpa-dense", 0.0), ("sglang-dense", 0.0), ("sdpa-kept", 0.4), ("sglang-step", 0.4),
-                       ("sglang-flattened", 0.4), ("sdpa-kept", 0.7), ("sglang-step", 0.7), ("sglang-flattened", 0.7),
-                       ("sglang-flattened", 0.7), ("triton-ragged (ours)", 0.7)]
+    dense = [("sdpa-dense", 0.0), ("sdpa-gqa", 0.0), ("sglang-dense", 0.0)]  # this torch has enable_gqa
+    kept = [r["kernel"] for r in report["attention"] if "kept" in r["kernel"]]
+    assert len(kept) == 2 and kept[0] == kept[1] in ("sdpa-dense over the kept length", "sdpa-gqa over the kept length")
+    assert kernels == dense + [(kept[0], 0.4), ("sglang-step", 0.4), ("sglang-flattened", 0.4), (kept[0], 0.7),
+                               ("sglang-step", 0.7), ("sglang-flattened", 0.7), ("sglang-flattened", 0.7),
+                               ("triton-ragged (ours)", 0.7)]
     assert [r["kernel"] for r in report["attention"] if r.get("default")] == ["sglang-step"] * 2
     assert sum(bool(r.get("baseline")) for r in report["attention"]) == 1  # one dense baseline per (batch, T)
     layer = report["layer"][0]
-    assert layer["dense_baseline"] in ("sdpa-dense", "sglang-dense")
-    assert layer["dense_graph_us"] == min(layer["sdpa-dense_graph_us"], layer["sglang-dense_graph_us"])
+    variants = {name: layer[f"{name}_graph_us"] for name, _ in dense}
+    assert layer["dense_baseline"] == min(variants, key=variants.get)
+    assert layer["dense_graph_us"] == min(variants.values())
     rows = report["attention"] + report["layer"] + report["parts"] + report["exactness"] + [report["replay"]]
     assert all(r["device"] == "cpu (test)" and r["kernel"] for r in rows)
     parts = {(r["mode"], r["part"]): r for r in report["parts"]}
-    common = {"front", "kv_write", "attention", "back"}
-    assert set(parts) == ({("dense", p) for p in common | {"attention (sglang-dense)"}}
-                          | {("ragged", p) for p in common | {"layout", "scoring", "decisions"}})
+    common = {"front", "kv_write", "back"}
+    assert set(parts) == ({("dense", p) for p in common | {f"attention ({name})" for name, _ in dense}}
+                          | {("ragged", p) for p in common | {"layout", "attention", "scoring", "decisions"}})
     assert all(r["graph_us"] > 0 and (r["batch"], r["seq"], r["pruned"]) == (2, 512, 0.7) for r in parts.values())
     assert {r["kernel"] for r in parts.values() if r["mode"] == "ragged"} == {"sglang-step"}
-    assert parts[("dense", "attention (sglang-dense)")]["kernel"] == "sglang-dense"
+    assert [parts[("dense", f"attention ({name})")]["kernel"] for name, _ in dense] == [name for name, _ in dense]
     assert report["replay"]["passed"] and report["replay"]["bookkeeping_equal"]
     assert report["replay"]["evicted_fraction"] > 0  # heads were pruned during the replayed steps
     assert [t["name"].split(":")[0] for t in report["targets"]] == ["attention batch 2 T 512 pruned 0.7",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvzap_export.integrations.ragged_store import RaggedStore
-from kvzap_export.kernels.decode_decision import decide_leaving, launch_decide_leaving
+from kvzap_export.kernels.decode_decision import decide_leaving, launch_decide_leaving, launch_recycle, recycle
 
 WINDOW = 128
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernel runs (compiled / interpreted)
@@ -85,3 +85,23 @@ def test_shapes_are_checked():
     scores, ids, lengths, leaving = _case(torch.float32, 0)
     with pytest.raises(Exception, match="rows"):
         decide_leaving(scores, ids, lengths[:3], leaving, -4.0, WINDOW)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_free_stack_kernel_equals_the_formula_and_the_list_model(seed):
+    """Freed ids pushed in row order, then the next ids popped from the new top (pushed ids included): the kernel
+    and the formula give the same stack, top and ids, and both are what a Python list does."""
+    g = torch.Generator().manual_seed(seed)
+    rows, capacity, top = 37, 400, 150
+    free = torch.randint(0, 10_000, (capacity + 1,), generator=g, dtype=torch.int32)
+    freed = torch.where(torch.rand(rows, generator=g) < 0.4, torch.randint(0, 10_000, (rows,), generator=g), -1).to(torch.int32)
+    freed[:2] = torch.tensor([-1, 5], dtype=torch.int32)
+    stack = free[:top].tolist() + [i for i in freed.tolist() if i >= 0]
+    want_fresh, stack = stack[-rows:], stack[:-rows]
+    a = (free.clone(), torch.tensor([top]), torch.zeros(rows, dtype=torch.int32))
+    recycle(freed, *a)
+    b = _on_kernel_device(freed, free.clone(), torch.tensor([top]), torch.zeros(rows, dtype=torch.int32))
+    launch_recycle(*b)
+    for got in (a, b[1:]):
+        assert int(got[1]) == len(stack) and got[0][: len(stack)].tolist() == stack
+        assert got[2].tolist() == want_fresh
