@@ -66,8 +66,16 @@ SWEEP_ROWS = {(1, 32768, 0.7): [("max", 32), ("proportional", 64), ("max", 64)],
               (16, 32768, 0.7): [("max", 32), ("proportional", 64)], (16, 32768, 0.4): [("max", 32)]}
 LAYER_GRID = [(16, 32768, 0.4), (16, 32768, 0.7), (1, 32768, 0.7), (64, 4096, 0.7), (1, 32768, 0.4), (64, 4096, 0.4)]
 PARTS_GRID = [(16, 32768, 0.7), (16, 32768, 0.4)]  # the layer step's parts, each in its own graph
-TARGETS = [("attention", 16, 32768, 0.7, 0.5), ("attention", 16, 32768, 0.4, 0.8), ("attention", 1, 32768, 0.7, 1.0),
-           ("layer", 16, 32768, 0.7, 0.65), ("layer", 16, 32768, 0.4, 0.95)]
+# (section, batch, T, pruned, limit, the row's field): issue 41's lines read the kernel alone (the engine lays out
+# every layer's rows once per step); the same rows with a whole layout of their layer per call, and the layer step
+# (which captures that layout in its graph), are the conservative reading
+TARGETS = [(section, 16, 32768, 0.7, 0.5, field) for section, field in (("attention", "kernel_only_ratio"),
+                                                                      ("attention", "ratio"))]
+TARGETS += [(section, 16, 32768, 0.4, 0.8, field) for section, field in (("attention", "kernel_only_ratio"),
+                                                                       ("attention", "ratio"))]
+TARGETS += [("attention", 1, 32768, 0.7, 1.0, "kernel_only_ratio"), ("attention", 1, 32768, 0.7, 1.0, "ratio"),
+            ("layer", 16, 32768, 0.7, 0.65, "ratio"), ("layer", 16, 32768, 0.4, 0.95, "ratio")]
+FIELD_NAMES = {"kernel_only_ratio": "SGLang's kernel alone", "ratio": "with its layout"}
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
 REPLAY_CASE = (16, 32768, 0.7, 50)  # batch, T, pruned, steps of the replay check
 SPLITS = 32  # max_kv_splits of the default flattened configuration (proportional policy)
@@ -367,11 +375,12 @@ class Bench:
                                          passed=same_state and max(diff + [stores]) <= 1e-2)
 
     def targets(self):
-        for section, batch, seq, pruned, limit in TARGETS:
+        for section, batch, seq, pruned, limit, field in TARGETS:
             rows = [r for r in self.report[section] if (r["batch"], r["seq"], r["pruned"]) == (batch, seq, pruned)
                     and (section == "layer" or r.get("default"))]
-            value = rows[0]["ratio"] if rows else None
-            name = f"{section} batch {batch} T {seq} pruned {pruned}: ragged/dense <= {limit}"
+            value = rows[0].get(field) if rows else None
+            what = f" ({FIELD_NAMES[field]})" if section == "attention" else " (graphed step)"
+            name = f"{section} batch {batch} T {seq} pruned {pruned}{what}: ragged/dense <= {limit}"
             self.report["targets"].append({"device": self.device_name, "name": name, "value": value, "limit": limit,
                                            "passed": None if value is None else value <= limit})
 

@@ -74,7 +74,8 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     for name, value in dict(FLUSH_BYTES=1024, ATTENTION_GRID=[(2, 512, 0.4), (2, 512, 0.7)],
                             OLD_KERNEL_ROWS={(2, 512, 0.7)}, SWEEP_ROWS={(2, 512, 0.7): [("max", 4)]}, SPLITS=2,
                             LAYER_GRID=[(2, 512, 0.7)], PARTS_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4), REPLAY_CASE=(2, 512, 0.7, 4),
-                            TARGETS=[("attention", 2, 512, 0.7, 0.5), ("layer", 2, 512, 0.7, 0.65)]).items():
+                            TARGETS=[("attention", 2, 512, 0.7, 0.5, "kernel_only_ratio"),
+                                     ("layer", 2, 512, 0.7, 0.65, "ratio")]).items():
         monkeypatch.setattr(bench, name, value)
     assert bench.model is ragged_step  # the script reads the values set above
     monkeypatch.setattr(bench, "device_name", lambda: "cpu (test)")
@@ -120,8 +121,9 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     assert [parts[("dense", f"attention ({name})")]["kernel"] for name, _ in dense] == [name for name, _ in dense]
     assert report["replay"]["passed"] and report["replay"]["bookkeeping_equal"]
     assert report["replay"]["evicted_fraction"] > 0  # heads were pruned during the replayed steps
-    assert [t["name"].split(":")[0] for t in report["targets"]] == ["attention batch 2 T 512 pruned 0.7",
-                                                                    "layer batch 2 T 512 pruned 0.7"]
+    assert [t["name"].split(":")[0] for t in report["targets"]] == [
+        "attention batch 2 T 512 pruned 0.7 (SGLang's kernel alone)", "layer batch 2 T 512 pruned 0.7 (graphed step)"]
+    assert all(isinstance(t["value"], float) for t in report["targets"])
     json.dumps(report)
     bench.print_report(report)
     assert "replay" in capsys.readouterr().out
@@ -133,8 +135,8 @@ def test_targets_and_report(bench, capsys):
     fake.report = {"device": "CPU stand-in", "kernel_source": {"origin": "wheel", "location": "x.whl", "stood_in": {}},
                    "exactness": [{"kernel": "k", "max_abs_err": 1e-4, "max_abs_ref": 1.0, "passed": True}],
                    "attention": [{"kernel": "sglang-flattened", "policy": "proportional", "max_kv_splits": 32,
-                                  "batch": 16, "seq": 32768, "pruned": 0.7, "time_us": 300.0, "ratio": 0.43,
-                                  "gbps": 2000.0, "default": True},
+                                  "batch": 16, "seq": 32768, "pruned": 0.7, "time_us": 300.0, "ratio": 0.53,
+                                  "kernel_only_us": 250.0, "kernel_only_ratio": 0.43, "gbps": 2000.0, "default": True},
                                  {"kernel": "sglang-flattened", "policy": "max", "max_kv_splits": 32, "batch": 16,
                                   "seq": 32768, "pruned": 0.4, "time_us": 600.0, "ratio": 0.7, "gbps": 2000.0,
                                   "default": False}],
@@ -143,12 +145,18 @@ def test_targets_and_report(bench, capsys):
                    "replay": None, "targets": [], "errors": [{"section": "layer", "error": "RuntimeError: x"}]}
     fake.targets()
     verdicts = {t["name"].split(":")[0]: t["passed"] for t in fake.report["targets"]}
-    assert verdicts == {"attention batch 16 T 32768 pruned 0.7": True, "attention batch 16 T 32768 pruned 0.4": None,
-                        "attention batch 1 T 32768 pruned 0.7": None, "layer batch 16 T 32768 pruned 0.7": None,
-                        "layer batch 16 T 32768 pruned 0.4": False}
+    kernel, layout = "(SGLang's kernel alone)", "(with its layout)"
+    assert verdicts == {f"attention batch 16 T 32768 pruned 0.7 {kernel}": True,  # 0.43 <= 0.5
+                        f"attention batch 16 T 32768 pruned 0.7 {layout}": False,  # 0.53 > 0.5
+                        f"attention batch 16 T 32768 pruned 0.4 {kernel}": None,  # no default row there
+                        f"attention batch 16 T 32768 pruned 0.4 {layout}": None,
+                        f"attention batch 1 T 32768 pruned 0.7 {kernel}": None,
+                        f"attention batch 1 T 32768 pruned 0.7 {layout}": None,
+                        "layer batch 16 T 32768 pruned 0.7 (graphed step)": None,
+                        "layer batch 16 T 32768 pruned 0.4 (graphed step)": False}
     bench.print_report(fake.report)
     printed = capsys.readouterr().out
-    assert "ERROR in layer" in printed and "x0.43 dense" in printed
+    assert "ERROR in layer" in printed and "x0.53 dense" in printed and "kernel alone 250.0 us x0.43" in printed
 
 
 def test_arguments(bench):
