@@ -31,7 +31,9 @@
 #                               onnxruntime-extensions for the plugin-node check;
 #   KVZAP_SGLANG_KERNELS=PATH   SGLang 0.5.23's wheel, or a zip/folder holding its
 #                               sglang/kernels/ops/attention/{decode_attention,score_mod}.py (steps 3 and 7);
-#   PYTHON                      the interpreter (default python3).
+#   PYTHON                      the interpreter (default python3);
+#   GPU_CHECK_COMMIT=REV        the commit the summary records, where the checkout's git metadata is not the tree's
+#                               own (a copied working tree).
 set -uo pipefail
 
 if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -204,6 +205,9 @@ def _gpu_name() -> str:
 
 
 def _commit() -> str | None:
+    """The checkout's commit ($GPU_CHECK_COMMIT when set: a copied tree whose git metadata is not its own)."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                               cwd=Path(__file__).resolve().parents[1])
