@@ -30,7 +30,8 @@ Sections (each in try/except: an error is recorded in the JSON and the next sect
   the free stack, ragged only), each captured alone in a CUDA graph and timed (batch 16 x 32k, pruned 0.7 and 0.4),
   the kernel named per row.
 
-SGLang's kernel runs at most ``SPLITS`` = 32 splits per row, split policy "proportional" (``kernels/flattened_step.py``).
+SGLang's kernel runs at most ``SPLITS`` = 32 splits per row (``SMALL_BATCH_SPLITS`` = 64 in the engine's path at
+batches of at most 4 requests), split policy "proportional" (``kernels/flattened_step.py``).
 Rows past ``--budget-s`` seconds are skipped (listed under "skipped").
 
 Timing: CUDA events, warm-ups, a 256 MiB write between calls (L2 flush), median of --reps; effective GB/s counts K
@@ -56,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
 from kvzap_export.bench.ragged_report import print_report  # noqa: E402
+from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS  # noqa: E402
 from kvzap_export.bench.ragged_step import (  # noqa: E402
     DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, dense_variants, kept_lengths, pool_layout,
     ragged_decide, ragged_score, ragged_step, ragged_write)
@@ -78,7 +80,7 @@ TARGETS += [("attention", 1, 32768, 0.7, 1.0, "kernel_only_ratio"), ("attention"
 FIELD_NAMES = {"kernel_only_ratio": "SGLang's kernel alone", "ratio": "with its layout"}
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
 REPLAY_CASE = (16, 32768, 0.7, 50)  # batch, T, pruned, steps of the replay check
-SPLITS = 32  # max_kv_splits of the default flattened configuration (proportional policy)
+SPLITS, SMALL_BATCH_SPLITS = GPU_SPLITS, GPU_SMALL_BATCH_SPLITS  # the engine's split settings on a GPU
 FLUSH_BYTES = 256 << 20
 
 
@@ -143,12 +145,14 @@ class Bench:
     def step_attention(self, batch, entries):
         """The engine's path (``StepAttention``: ``FlattenedStep``'s layout of one layer, then SGLang's kernel)."""
         return StepAttention(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, entries,
-                             dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS)
+                             dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS,
+                             small_batch_splits=SMALL_BATCH_SPLITS)
 
     def dense_kernel(self, batch, seq):
         """Dense attention through SGLang's kernel over a full [B, 8, T, 128] cache (``DenseThroughKernel``)."""
         return DenseThroughKernel(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, seq,
-                                  dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS)
+                                  dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS,
+                                  small_batch_splits=SMALL_BATCH_SPLITS)
 
     def row(self, **fields):
         return {"device": self.device_name, **fields}

@@ -141,11 +141,12 @@ class StepAttention:
     the two. ``out``: the last call's output buffer [max_batch, q_heads, D]."""
 
     def __init__(self, max_batch, kv_heads, group, head_dim, entries, *, dtype, device, kernels, max_kv_splits=32,
-                 use_triton=None):
+                 use_triton=None, small_batch_splits=None):
         from kvzap_export.kernels.flattened_step import FlattenedStep
 
         self.step = FlattenedStep(1, max_batch, kv_heads, group, head_dim, entries, dtype=dtype, device=device,
-                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton)
+                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton,
+                                  small_batch_splits=small_batch_splits)
         self.slots = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.out = torch.zeros(max_batch, kv_heads * group, head_dim, dtype=dtype, device=device)
 
@@ -167,10 +168,11 @@ class DenseThroughKernel:
     ``dense_step`` takes it. A second dense baseline beside SDPA (at batch 1 SDPA's kernel runs few programs)."""
 
     def __init__(self, batch, kv_heads, group, head_dim, seq, *, dtype, device, kernels, max_kv_splits=32,
-                 use_triton=None):
+                 use_triton=None, small_batch_splits=None):
         entries = batch * kv_heads * seq
         self.rows = StepAttention(batch, kv_heads, group, head_dim, entries, dtype=dtype, device=device,
-                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton)
+                                  kernels=kernels, max_kv_splits=max_kv_splits, use_triton=use_triton,
+                                  small_batch_splits=small_batch_splits)
         ids = torch.arange(entries, dtype=torch.int32, device=device).view(batch, kv_heads, seq)
         self.rows.fill(ids, torch.full((batch, kv_heads), seq, dtype=torch.int32, device=device))
 

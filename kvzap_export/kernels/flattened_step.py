@@ -17,7 +17,12 @@ graph captures) only reads fixed buffers:
   ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
 - ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
   for ``logits_batch`` requests (the largest captured batch: a graph's launches must read fixed buffers); a larger
-  (eager) step allocates its own per call, as SGLang's Triton backend does for eager steps.
+  (eager) step allocates its own per call, as SGLang's Triton backend does for eager steps. They are held flat, as
+  ``split_rows`` (row, split) slots: a step of ``R`` rows runs at most ``splits_for(R)`` splits per row, which is
+  ``small_batch_splits`` where ``R * small_batch_splits`` slots fit (at least up to ``SMALL_BATCH`` requests: the
+  buffers are sized for them) and ``max_kv_splits`` otherwise. A small batch has too few rows to fill the GPU (8 rows
+  at batch 1 of Llama-3.1-8B); more splits per row spread its entries over more programs (on an H100, batch 1 x
+  32k x 70% pruned: 64 splits 54.8 us, 32 splits 64.1 us; docs/benchmarks.md).
 
 The copy of the ids reads only the entries held: a Triton kernel (one program per (row, block of 1024 columns);
 programs past a row's length return at once), or on the CPU (no Triton launch outside the interpreter) a torch
@@ -39,6 +44,8 @@ except ModuleNotFoundError:  # pragma: no cover - exercised where triton is abse
     triton = None
 
 COPY_BLOCK = 1024  # row columns per program of the id copy
+SMALL_BATCH = 4  # requests a step may have and still run small_batch_splits (the buffers are sized for them)
+GPU_SPLITS, GPU_SMALL_BATCH_SPLITS = 32, 64  # what the engine runs on a GPU (integrations/sglang/ragged.py)
 
 if triton is not None:
 
@@ -66,13 +73,14 @@ class FlattenedStep:
 
     ``max_batch`` requests of ``kv_heads`` heads, ``group`` query heads per KV head, head dims, ``entries``: the most
     entry ids a step can hold over all its layers (the store's capacity); ``logits_batch``: requests the partial-result
-    buffers hold (default ``max_batch``). ``use_triton``: the id copy's path (default: on CUDA tensors)."""
+    buffers hold (default ``max_batch``). ``use_triton``: the id copy's path (default: on CUDA tensors).
+    ``small_batch_splits``: splits per row of a small step (module docstring; default ``max_kv_splits``)."""
 
     def __init__(self, layers: int, max_batch: int, kv_heads: int, group: int, head_dim: int, entries: int, *,
                  v_head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16, device="cuda",
                  max_kv_splits: int = 32, target_programs: int | None = None, min_chunk: int = 64,
                  kernels: sglang_kernels.SGLangKernels | None = None, kernel_path=None, use_triton: bool | None = None,
-                 logits_batch: int | None = None):
+                 logits_batch: int | None = None, small_batch_splits: int | None = None):
         if min(layers, max_batch, kv_heads, group, head_dim, entries, max_kv_splits, min_chunk) <= 0:
             raise InputError(f"FlattenedStep needs positive sizes, got layers {layers}, batch {max_batch}, kv_heads "
                              f"{kv_heads}, group {group}, head_dim {head_dim}, entries {entries}")
@@ -83,6 +91,7 @@ class FlattenedStep:
         self.head_dim, self.v_head_dim = head_dim, v_head_dim or head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_kv_splits, self.min_chunk = max_kv_splits, min_chunk
+        self.small_batch_splits = max(max_kv_splits, small_batch_splits or max_kv_splits)
         if target_programs is None:
             cores = sglang_kernels.get_device_core_count(self.device.index or 0) if self.device.type == "cuda" else 0
             target_programs = 32 * cores if cores > 0 else 256
@@ -96,8 +105,11 @@ class FlattenedStep:
         self.kv_indices = torch.zeros(entries + 1, dtype=torch.int64, device=dev)
         self.num_kv_splits = torch.ones(all_rows, dtype=torch.int32, device=dev)
         self.empty = torch.ones(all_rows, dtype=torch.bool, device=dev)
-        self.attn_logits = torch.zeros(rows, group, max_kv_splits, self.v_head_dim, dtype=torch.float32, device=dev)
-        self.attn_lse = torch.zeros(rows, group, max_kv_splits, dtype=torch.float32, device=dev)
+        self.split_rows = rows * max_kv_splits  # (row, split) slots of the partial results
+        if self.small_batch_splits > max_kv_splits:
+            self.split_rows = max(self.split_rows, min(max_batch, SMALL_BATCH) * kv_heads * self.small_batch_splits)
+        self.attn_logits = torch.zeros(self.split_rows * group * self.v_head_dim, dtype=torch.float32, device=dev)
+        self.attn_lse = torch.zeros(self.split_rows * group, dtype=torch.float32, device=dev)
         self._q = torch.zeros(max_batch * kv_heads, group, head_dim, dtype=dtype, device=dev)  # queries not viewable
         self._lens = torch.zeros(all_rows, dtype=torch.int32, device=dev)
         self._gathered = torch.zeros(max_batch, layers, kv_heads, dtype=torch.int32, device=dev)
@@ -112,6 +124,10 @@ class FlattenedStep:
                 "empty": self.empty, "attn_logits": self.attn_logits, "attn_lse": self.attn_lse, "q": self._q,
                 "lens": self._lens, "gathered": self._gathered, "valid": self._valid, "safe": self._safe,
                 "chunk": self._chunk}
+
+    def splits_for(self, rows: int) -> int:
+        """The most splits per row of a step of ``rows`` rows (module docstring)."""
+        return self.small_batch_splits if rows * self.small_batch_splits <= self.split_rows else self.max_kv_splits
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
@@ -152,7 +168,7 @@ class FlattenedStep:
         chunk.add_(self.target_programs - 1).div_(self.target_programs, rounding_mode="floor").clamp_(min=self.min_chunk)
         splits = self.num_kv_splits[:n].view(L, R)
         torch.add(lens.view(L, R), chunk[:, None], out=splits)
-        splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.max_kv_splits)
+        splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.splits_for(R))
 
     def _copy_rows_torch(self, table, safe, lens, width, B) -> None:
         """The id copy without Triton: the padded rows [L, B, H, width] scattered, padding to the discard slot."""
@@ -170,11 +186,13 @@ class FlattenedStep:
         R = self.batch * self.kv_heads
         if not 0 <= layer < self.layers:
             raise InputError(f"FlattenedStep.attend: layer {layer} of {self.layers}")
-        first = layer * R
-        logits, lse = self.attn_logits, self.attn_lse
-        if R > logits.shape[0]:  # an eager step past the graphs' largest batch: its own partial results
-            logits = logits.new_empty(R, *logits.shape[1:])
-            lse = lse.new_empty(R, *lse.shape[1:])
+        first, G, S = layer * R, self.group, self.splits_for(R)
+        if R * S <= self.split_rows:
+            logits = self.attn_logits[: R * G * S * self.v_head_dim].view(R, G, S, self.v_head_dim)
+            lse = self.attn_lse[: R * G * S].view(R, G, S)
+        else:  # an eager step past the graphs' largest batch: its own partial results
+            logits = self.attn_logits.new_empty(R, G, S, self.v_head_dim)
+            lse = self.attn_lse.new_empty(R, G, S)
         return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
                       head_dim=self.head_dim, v_head_dim=self.v_head_dim,
                       kv_indptr=self.kv_indptr[first: first + R + 1], kv_indices=self.kv_indices,

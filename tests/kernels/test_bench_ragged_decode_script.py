@@ -72,7 +72,7 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
         monkeypatch.setattr(ragged_step, name, value)
     # the script's own: its grids, cases, targets, split setting and L2 flush size
     for name, value in dict(FLUSH_BYTES=1024, ATTENTION_GRID=[(2, 512, 0.4), (2, 512, 0.7)],
-                            OLD_KERNEL_ROWS={(2, 512, 0.7)}, SWEEP_ROWS={(2, 512, 0.7): [("max", 4)]}, SPLITS=2,
+                            OLD_KERNEL_ROWS={(2, 512, 0.7)}, SWEEP_ROWS={(2, 512, 0.7): [("max", 4)]}, SPLITS=2, SMALL_BATCH_SPLITS=4,
                             LAYER_GRID=[(2, 512, 0.7)], PARTS_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4), REPLAY_CASE=(2, 512, 0.7, 4),
                             TARGETS=[("attention", 2, 512, 0.7, 0.5, "kernel_only_ratio"),
                                      ("layer", 2, 512, 0.7, 0.65, "ratio")]).items():

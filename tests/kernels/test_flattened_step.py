@@ -73,6 +73,33 @@ def test_every_layer_equals_the_formula_over_the_tables_entries(kernels, dtype, 
         assert not got[2].any() and not got[4].any()  # the padding row and the all-empty request
 
 
+def test_a_small_step_runs_more_splits_in_the_same_buffers(kernels):
+    """``small_batch_splits``: a step of at most SMALL_BATCH requests spreads each row over up to that many splits
+    (the partial results viewed from the same flat buffers), a larger step keeps ``max_kv_splits``; both equal the
+    formula."""
+    L, H, group, D, entries = 3, 2, 4, 16, 400
+    ids, lengths = tables(LENGTHS, 128, entries)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(entries + 1, D, generator=g).to(DEVICE)
+    v = torch.randn(entries + 1, D, generator=g).to(DEVICE)
+    step = FlattenedStep(L, 6, H, group, D, 2000, dtype=torch.float32, device=DEVICE, max_kv_splits=2, target_programs=64,
+                         min_chunk=8, kernels=kernels, small_batch_splits=8)
+    assert step.split_rows == 4 * H * 8 and (step.splits_for(4 * H), step.splits_for(5 * H)) == (8, 2)
+    pointers = {name: t.data_ptr() for name, t in step.buffers().items()}
+    for slots, cap in (([2, 3], 8), ([2, 0, -1, 3, 1], 2)):
+        step.fill(ids.to(DEVICE), lengths.to(DEVICE), torch.tensor(slots).to(DEVICE), width=int(lengths.max()))
+        R = len(slots) * H
+        assert int(step.num_kv_splits[: L * R].max()) == cap  # the long rows reach the cap
+        for layer in range(L):
+            q = torch.randn(len(slots), H * group, D, generator=g).to(DEVICE)
+            got = step.attend(layer, q, k, v, 0.25, torch.empty_like(q))
+            real = torch.tensor(slots).clamp(min=0)
+            layer_lengths = lengths[real, layer] * (torch.tensor(slots) >= 0)[:, None]
+            want = ragged_decode_attention(q, k, v, ids[real, layer].to(DEVICE), layer_lengths.to(DEVICE), 0.25)
+            torch.testing.assert_close(got, want, **F32)
+    assert {name: t.data_ptr() for name, t in step.buffers().items()} == pointers
+
+
 def test_the_layout_reads_offsets_per_layer_and_splits_per_layer_total():
     """No kernel needed: indptr is one running sum over (layer, request, head); each layer's split chunk follows its
     own total; the ids land at their rows' offsets (both copies)."""

@@ -267,12 +267,16 @@ def backend_class():
             """The decode buffers, made at the first need for SGLang's request rows; their partial results sized for
             ``graph_batch`` requests (the largest captured batch; 0 without graphs: eager steps allocate their own)."""
             if self.decode_buffers is None:
-                # 32 splits per row on a GPU (SGLang's default); on the CPU the flattened path runs SGLang's kernel
-                # in Triton's interpreter (tests only), where each split is a Python loop: 2
-                splits = 32 if self.store.device.type == "cuda" else 2
+                from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS
+
+                # on a GPU 32 splits per row, 64 at small batches (kernels/flattened_step.py); on the CPU the
+                # flattened path runs SGLang's kernel in Triton's interpreter (tests only), where each split is a
+                # Python loop: 2
+                cuda = self.store.device.type == "cuda"
                 self.decode_buffers = DecodeBuffers(self.store, max(graph_batch, self.max_requests), self.group,
-                                                    self.store.k.dtype, max_kv_splits=splits,
-                                                    logits_batch=max(graph_batch, 1))
+                                                    self.store.k.dtype, max_kv_splits=GPU_SPLITS if cuda else 2,
+                                                    logits_batch=max(graph_batch, 1),
+                                                    small_batch_splits=GPU_SMALL_BATCH_SPLITS if cuda else 2)
                 log.info("KVzap ragged mode: decode through SGLang's decode kernel, %.1f MB of step buffers for %d "
                          "requests", self.decode_buffers.nbytes() / 2**20, self.decode_buffers.max_batch)
             return self.decode_buffers

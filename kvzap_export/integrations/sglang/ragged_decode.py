@@ -69,11 +69,12 @@ def write_entries(store: RaggedStore, ids: torch.Tensor, k: torch.Tensor, v: tor
 
 class DecodeBuffers:
     """A decode step's device state for at most ``max_batch`` requests (module docstring). ``group``: query heads per
-    KV head; ``dtype``: the queries'. ``kernels`` / ``use_triton`` / ``max_kv_splits`` / ``logits_batch``: passed to
-    ``FlattenedStep``."""
+    KV head; ``dtype``: the queries'. ``kernels`` / ``use_triton`` / ``max_kv_splits`` / ``logits_batch`` /
+    ``small_batch_splits``: passed to ``FlattenedStep``."""
 
     def __init__(self, store: RaggedStore, max_batch: int, group: int, dtype: torch.dtype, *, kernels=None,
-                 use_triton: bool | None = None, max_kv_splits: int = 32, logits_batch: int | None = None):
+                 use_triton: bool | None = None, max_kv_splits: int = 32, logits_batch: int | None = None,
+                 small_batch_splits: int | None = None):
         from kvzap_export.kernels.flattened_step import FlattenedStep
 
         if max_batch <= 0:
@@ -84,7 +85,8 @@ class DecodeBuffers:
         self.slots = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
         self.flat = FlattenedStep(L, max_batch, H, group, store.head_dim, store.capacity, v_head_dim=store.v_head_dim,
                                   dtype=dtype, device=dev, kernels=kernels, use_triton=use_triton,
-                                  max_kv_splits=max_kv_splits, logits_batch=logits_batch)
+                                  max_kv_splits=max_kv_splits, logits_batch=logits_batch,
+                                  small_batch_splits=small_batch_splits)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor a decode forward reads besides the store (their data pointers never change)."""
