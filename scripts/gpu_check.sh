@@ -137,7 +137,8 @@ done
 
 # 3. kernel tests that run on the GPU where there is one (not marked gpu: on a CPU they run interpreted)
 step pytest_kernels 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/pytest-kernels.xml" \
-  tests/kernels/test_decode_decision.py tests/kernels/test_flattened_attention.py tests/kernels/test_flattened_step.py
+  tests/kernels/test_decode_decision.py tests/kernels/test_flattened_attention.py tests/kernels/test_flattened_step.py \
+  tests/integrations/sglang/test_ragged_decode.py
 
 # 3b. the GPU-marked tests
 mapfile -t GPU_TESTS < <(grep -rl "mark.gpu" tests --include='test_*.py' | sort)

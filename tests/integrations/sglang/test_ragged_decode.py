@@ -4,7 +4,8 @@ forward reads keeps its data pointer, and a step's host<->device transfers stay 
 The steps here run the sequence the ragged backend runs around SGLang's forward (``ragged.py``): the aux cache's
 layout (``StoreRows.alloc_to_lengths`` / ``take_plan``), the backend's ``DecodeBuffers.layout`` before the forward,
 per layer the K/V write (``write_entries``), the scoring hook's score write and the attention, then the step end's
-decisions. SGLang's decode kernel runs in Triton's CPU interpreter; each layer's output is compared with
+decisions. SGLang's decode kernel runs in Triton's CPU interpreter (on a GPU machine, compiled, on CUDA tensors: the
+interpreter is off there); each layer's output is compared with
 ``ragged_attention.ragged_decode_attention``, the float32 formula, over the entries read back from the store's tables.
 The engine itself runs the same path in test_engine.py (``KVZAP_RAGGED_DECODE=flattened``). Without SGLang's kernel
 file the tests skip, saying so.
@@ -23,6 +24,9 @@ from kvzap_export.kernels.ragged_attention import ragged_decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 HEADS, GROUP, DIM, WINDOW = 2, 2, 16, 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton needs CUDA tensors (scripts/gpu_check.sh)
+# on a GPU, SGLang's grouped kernel multiplies float32 through tl.dot in TF32 (Triton's default)
+F32 = dict(atol=1e-5, rtol=1e-5) if DEVICE == "cpu" else dict(atol=5e-3, rtol=5e-3)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def kernels(sglang_kernels):
 class Run:
     """A store of ``requests`` prompts already decided, with decode buffers for one more (padding) row."""
 
-    def __init__(self, kernels, requests: int, layers: int, seed: int = 0, device: str = "cpu",
+    def __init__(self, kernels, requests: int, layers: int, seed: int = 0, device: str = DEVICE,
                  dtype: torch.dtype = torch.float32):
         self.g = torch.Generator().manual_seed(seed)
         self.layers, self.device, self.dtype = layers, device, dtype
@@ -67,8 +71,8 @@ class Run:
         """One decode step; returns the transfers of each phase (and checks every layer against the formula)."""
         self.lengths = [n + 1 for n in self.lengths]
         batch = len(self.rows) + 1
-        queries = [torch.randn(batch, HEADS * GROUP, DIM, generator=self.g) for _ in range(self.layers)]
-        outputs = [torch.empty(batch, HEADS * GROUP, DIM) for _ in range(self.layers)]
+        queries = [self.randn(batch, HEADS * GROUP, DIM) for _ in range(self.layers)]
+        outputs = [torch.empty(batch, HEADS * GROUP, DIM, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         with Transfers() as prepare:
             rows, _, new_ids = self.plan()
             decode = self.buffers.layout(rows, new_ids, batch)
@@ -83,7 +87,7 @@ class Run:
                 want = ragged_decode_attention(queries[layer][:-1], self.store.k, self.store.v,
                                                self.store.layer_ids(slots, layer, width), self.store.lengths[slots, layer],
                                                0.3)
-                torch.testing.assert_close(outputs[layer][:-1], want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(outputs[layer][:-1], want, **F32)
                 assert not outputs[layer][-1].any()  # the padding row
         with Transfers() as end:
             self.store.decide_decode(self.rows, 0.0, WINDOW)
