@@ -6,37 +6,30 @@ ragged, in CUDA graphs. Llama-3.1-8B shapes: 32 query heads, 8 KV heads, head di
 
 Sections (each in try/except: an error is recorded in the JSON and the next section runs):
 
-- exactness: every attention kernel timed here against ``ragged_attention.ragged_decode_attention`` (the float32
-  formula) on one small case with ragged lengths and empty heads;
-- attention: batch 1/16/64 x T 4096/32768 x pruned 0.4/0.7. Dense, over every entry ([B, 8, T, 128]): SDPA (the 4
-  query heads of a group as 4 query positions) and SGLang's decode kernel (``DenseThroughKernel``: each head one row
-  of all T entries); the ratios' baseline is the faster of the two. SDPA over dense tensors of the kept length (the
-  ideal). Ragged, each head keeping a length drawn within +-25% of the mean, its entries shuffled in one pool ([E,
-  128] K and V stores): the engine's path (``StepAttention``: ``FlattenedStep``'s layout of the layer's rows, then
-  SGLang's kernel; the default row, which the targets read; the kernel alone beside it: the engine lays out every
-  layer once per step), ``FlattenedDecode`` (a layout per call in torch ops; split settings swept at a few rows),
-  our first Triton ragged kernel at a few rows (slow: few repetitions);
-- layer: one decoder layer at decode, modelled in ``kvzap_export/bench/ragged_step.py`` (random bf16 weights, no
-  rotary embedding): dense (K/V written at the end of a full [B, 8, T, 128] cache; SDPA, and SGLang's kernel: the
-  faster is the baseline) vs ragged (one-head K/V stores, the layer's layout and SGLang's kernel, the decision
-  kernel for the entry leaving the 128-token window), each captured in one CUDA graph and replayed; eager too;
-- replay (before parts, so that its check is not cut by the time budget): 50 steps of the captured ragged step
-  (lengths growing, heads pruned) against the same 50 steps run eagerly from the same starting state: the bookkeeping
-  (ids, lengths, free stack top, next ids) must be equal, the attention and layer outputs and the K/V/score stores
-  within 1e-2 (max abs differences recorded);
-- parts: the same layer step cut into its parts (front: norm and QKV; K/V write, ragged with the rows' append;
-  scoring: the surrogate and its score write, ragged only; attention: SDPA and SGLang's kernel over the whole cache
-  vs the ragged layout and SGLang's kernel over the rows; back: O, norm and FFN; decisions: the decision kernel and
-  the free stack, ragged only), each captured alone in a CUDA graph and timed (batch 16 x 32k, pruned 0.7 and 0.4),
-  the kernel named per row.
+- exactness: every attention path timed here against ``ragged_attention.ragged_decode_attention`` (the float32
+  formula) on one case with ragged lengths and empty heads;
+- attention: batch 1/16/64 x T 4096/32768 x pruned 0.4/0.7. Dense over a full [B, 8, T, 128] cache: SDPA in two
+  query layouts and SGLang's kernel (``dense_variants``, ``DenseThroughKernel``); the fastest is the ratios'
+  baseline. SDPA over the kept length (the ideal). Ragged (lengths within +-25% of the mean, entries shuffled in one
+  pool): the engine's path (``StepAttention``: ``FlattenedStep``'s layout of the layer, then SGLang's kernel; the
+  default row, with the kernel alone beside it), ``FlattenedDecode`` (torch-op layout per call; split settings swept
+  at a few rows), our first Triton kernel at a few rows (eager, few repetitions);
+- layer: one decoder layer's decode step (``kvzap_export/bench/ragged_step.py``), dense (each dense attention; the
+  fastest is the baseline) vs ragged (K/V and score writes, layout, SGLang's kernel, decision and free-stack
+  kernels), each in one CUDA graph; eager too;
+- replay (before parts, so that no time budget cuts it): 50 replays of the captured ragged step (lengths growing,
+  heads pruned) against the same 50 steps run eagerly from the same state: bookkeeping (ids, lengths, free stack,
+  next ids) equal, outputs and K/V/score stores within 1e-2;
+- parts: the step's parts (front, K/V write, scoring, layout, attention, back, decisions; dense and ragged), each in
+  its own CUDA graph, batch 16 x 32k, the kernel named per row.
 
-SGLang's kernel runs at most ``SPLITS`` = 32 splits per row (``SMALL_BATCH_SPLITS`` = 64 in the engine's path at
-batches of at most 4 requests), split policy "proportional" (``kernels/flattened_step.py``).
-Rows past ``--budget-s`` seconds are skipped (listed under "skipped").
+Split settings: the engine's on a GPU (``kernels/flattened_step.py``: 32 per row, 64 at steps of at most 4
+requests, policy "proportional"). Rows past ``--budget-s`` seconds are skipped (listed under "skipped").
 
-Timing: CUDA events, warm-ups, a 256 MiB write between calls (L2 flush), median of --reps; effective GB/s counts K
-and V rows read once (plus int32 ids for the ragged kernels). Targets are printed and recorded (informational).
-Without a CUDA GPU: one line, exit 2. Exit 1 if an exactness or replay check failed, 3 if a section raised.
+Timing: CUDA events around CUDA graph replays (the old kernel and the eager columns: direct calls), a 256 MiB write
+between calls (L2 flush), median of --reps; GB/s counts K and V rows read once (plus int32 ids for ragged rows).
+Targets are printed and recorded (informational). Without a CUDA GPU: one line, exit 2. Exit 1 if an exactness or
+replay check failed, 3 if a section raised.
 """
 
 from __future__ import annotations
@@ -56,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
+from kvzap_export.bench import ragged_report  # noqa: E402
 from kvzap_export.bench.ragged_report import print_report  # noqa: E402
 from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS  # noqa: E402
 from kvzap_export.bench.ragged_step import (  # noqa: E402
@@ -68,16 +62,6 @@ SWEEP_ROWS = {(1, 32768, 0.7): [("max", 32), ("proportional", 64), ("max", 64)],
               (16, 32768, 0.7): [("max", 32), ("proportional", 64)], (16, 32768, 0.4): [("max", 32)]}
 LAYER_GRID = [(16, 32768, 0.4), (16, 32768, 0.7), (1, 32768, 0.7), (64, 4096, 0.7), (1, 32768, 0.4), (64, 4096, 0.4)]
 PARTS_GRID = [(16, 32768, 0.7), (16, 32768, 0.4)]  # the layer step's parts, each in its own graph
-# (section, batch, T, pruned, limit, the row's field): issue 41's lines read the kernel alone (the engine lays out
-# every layer's rows once per step); the same rows with a whole layout of their layer per call, and the layer step
-# (which captures that layout in its graph), are the conservative reading
-TARGETS = [(section, 16, 32768, 0.7, 0.5, field) for section, field in (("attention", "kernel_only_ratio"),
-                                                                      ("attention", "ratio"))]
-TARGETS += [(section, 16, 32768, 0.4, 0.8, field) for section, field in (("attention", "kernel_only_ratio"),
-                                                                       ("attention", "ratio"))]
-TARGETS += [("attention", 1, 32768, 0.7, 1.0, "kernel_only_ratio"), ("attention", 1, 32768, 0.7, 1.0, "ratio"),
-            ("layer", 16, 32768, 0.7, 0.65, "ratio"), ("layer", 16, 32768, 0.4, 0.95, "ratio")]
-FIELD_NAMES = {"kernel_only_ratio": "SGLang's kernel alone", "ratio": "with its layout"}
 EXACT_CASE = (3, 32768, 0.4)  # batch, T, pruned of the exactness check
 REPLAY_CASE = (16, 32768, 0.7, 50)  # batch, T, pruned, steps of the replay check
 SPLITS, SMALL_BATCH_SPLITS = GPU_SPLITS, GPU_SMALL_BATCH_SPLITS  # the engine's split settings on a GPU
@@ -363,9 +347,11 @@ class Bench:
             out = ragged_step(layer, st, x, flat, self.args.tau)
             eager_out.append((flat.out.clone(), out))
         held = torch.arange(st.ids.shape[-1], device=model.DEVICE) < st.lengths[..., None]
+        top = int(st.top)
         same_state = bool(torch.equal(st.lengths, graph_state.lengths)
                           and torch.equal(st.ids[held], graph_state.ids[held])
-                          and torch.equal(st.top, graph_state.top) and torch.equal(st.fresh, graph_state.fresh))
+                          and torch.equal(st.top, graph_state.top) and torch.equal(st.fresh, graph_state.fresh)
+                          and torch.equal(st.free[:top], graph_state.free[:top]))
         stores = max((getattr(st, n).float() - getattr(graph_state, n).float()).abs().max().item()
                      for n in ("k", "v", "scores"))
         diff = [max((e[i].float() - r[i].float()).abs().max().item() for e, r in zip(eager_out, graph_out))
@@ -379,14 +365,7 @@ class Bench:
                                          passed=same_state and max(diff + [stores]) <= 1e-2)
 
     def targets(self):
-        for section, batch, seq, pruned, limit, field in TARGETS:
-            rows = [r for r in self.report[section] if (r["batch"], r["seq"], r["pruned"]) == (batch, seq, pruned)
-                    and (section == "layer" or r.get("default"))]
-            value = rows[0].get(field) if rows else None
-            what = f" ({FIELD_NAMES[field]})" if section == "attention" else " (graphed step)"
-            name = f"{section} batch {batch} T {seq} pruned {pruned}{what}: ragged/dense <= {limit}"
-            self.report["targets"].append({"device": self.device_name, "name": name, "value": value, "limit": limit,
-                                           "passed": None if value is None else value <= limit})
+        self.report["targets"] = ragged_report.targets(self.report, self.device_name)
 
 
 def parse_args(argv=None):

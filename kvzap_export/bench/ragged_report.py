@@ -1,7 +1,32 @@
-"""The console report of ``scripts/bench_ragged_decode.py``: one line per row of its JSON report."""
+"""The targets and the console report of ``scripts/bench_ragged_decode.py`` (issue 41's GPU lines)."""
 
 from __future__ import annotations
 
+# (section, batch, T, pruned, limit, the row's field): issue 41's lines read the kernel alone (the engine lays out
+# every layer's rows once per step); the same rows with a whole layout of their layer per call, and the layer step
+# (which captures that layout in its graph), are the conservative reading
+TARGETS = [(section, 16, 32768, 0.7, 0.5, field) for section, field in (("attention", "kernel_only_ratio"),
+                                                                      ("attention", "ratio"))]
+TARGETS += [(section, 16, 32768, 0.4, 0.8, field) for section, field in (("attention", "kernel_only_ratio"),
+                                                                       ("attention", "ratio"))]
+TARGETS += [("attention", 1, 32768, 0.7, 1.0, "kernel_only_ratio"), ("attention", 1, 32768, 0.7, 1.0, "ratio"),
+            ("layer", 16, 32768, 0.7, 0.65, "ratio"), ("layer", 16, 32768, 0.4, 0.95, "ratio")]
+FIELD_NAMES = {"kernel_only_ratio": "SGLang's kernel alone", "ratio": "with its layout"}
+
+
+def targets(report: dict, device: str) -> list[dict]:
+    """Each of ``TARGETS`` read from the report's rows (the attention section's default rows, the layer rows):
+    {device, name, value, limit, passed}; value and passed None where the row is missing."""
+    out = []
+    for section, batch, seq, pruned, limit, field in TARGETS:
+        rows = [r for r in report[section] if (r["batch"], r["seq"], r["pruned"]) == (batch, seq, pruned)
+                and (section == "layer" or r.get("default"))]
+        value = rows[0].get(field) if rows else None
+        what = f" ({FIELD_NAMES[field]})" if section == "attention" else " (graphed step)"
+        name = f"{section} batch {batch} T {seq} pruned {pruned}{what}: ragged/dense <= {limit}"
+        out.append({"device": device, "name": name, "value": value, "limit": limit,
+                    "passed": None if value is None else value <= limit})
+    return out
 
 def print_report(report) -> None:
     """Prints the report (the rows of every section, the replay, the targets, the errors)."""

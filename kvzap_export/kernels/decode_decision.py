@@ -86,7 +86,8 @@ if triton is not None:
         rank = tl.cumsum(gone.to(tl.int32), 0) - 1  # a freed id's place above the old top, in row order
         tl.store(free_ptr + top + rank, freed, mask=gone)
         new_top = top + tl.sum(gone.to(tl.int32), 0) - n_fresh
-        tl.debug_barrier()  # every push stored before any thread pops (a pop may read a pushed id)
+        tl.debug_barrier()  # every push stored before any thread pops (a pop may read a pushed id); one block: on
+        # NVIDIA GPUs bar.sync orders its threads' global stores and loads (not checked on ROCm)
         f = tl.arange(0, FRESH)
         tl.store(fresh_ptr + f, tl.load(free_ptr + new_top + f, mask=f < n_fresh, other=0), mask=f < n_fresh)
         tl.store(top_ptr, new_top)

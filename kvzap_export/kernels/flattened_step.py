@@ -19,8 +19,8 @@ graph captures) only reads fixed buffers:
   for ``logits_batch`` requests (the largest captured batch: a graph's launches must read fixed buffers); a larger
   (eager) step allocates its own per call, as SGLang's Triton backend does for eager steps. They are held flat, as
   ``split_rows`` (row, split) slots: a step of ``R`` rows runs at most ``splits_for(R)`` splits per row, which is
-  ``small_batch_splits`` where ``R * small_batch_splits`` slots fit (at least up to ``SMALL_BATCH`` requests: the
-  buffers are sized for them) and ``max_kv_splits`` otherwise. A small batch has too few rows to fill the GPU (8 rows
+  ``small_batch_splits`` for a step of at most ``SMALL_BATCH`` requests (the buffers are sized for them) and
+  ``max_kv_splits`` otherwise. A small batch has too few rows to fill the GPU (8 rows
   at batch 1 of Llama-3.1-8B); more splits per row spread its entries over more programs (on an H100, batch 1 x
   32k x 70% pruned: 64 splits 54.8 us, 32 splits 64.1 us; docs/benchmarks.md).
 
@@ -74,7 +74,8 @@ class FlattenedStep:
     ``max_batch`` requests of ``kv_heads`` heads, ``group`` query heads per KV head, head dims, ``entries``: the most
     entry ids a step can hold over all its layers (the store's capacity); ``logits_batch``: requests the partial-result
     buffers hold (default ``max_batch``). ``use_triton``: the id copy's path (default: on CUDA tensors).
-    ``small_batch_splits``: splits per row of a small step (module docstring; default ``max_kv_splits``)."""
+    ``small_batch_splits``: splits per row of a small step (module docstring; default, and at least,
+    ``max_kv_splits``)."""
 
     def __init__(self, layers: int, max_batch: int, kv_heads: int, group: int, head_dim: int, entries: int, *,
                  v_head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16, device="cuda",
@@ -127,7 +128,8 @@ class FlattenedStep:
 
     def splits_for(self, rows: int) -> int:
         """The most splits per row of a step of ``rows`` rows (module docstring)."""
-        return self.small_batch_splits if rows * self.small_batch_splits <= self.split_rows else self.max_kv_splits
+        small = rows <= SMALL_BATCH * self.kv_heads and rows * self.small_batch_splits <= self.split_rows
+        return self.small_batch_splits if small else self.max_kv_splits
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvzap_export.bench import ragged_step
+from kvzap_export.bench import ragged_report, ragged_step
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ragged_decode.py"
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -73,10 +73,11 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     # the script's own: its grids, cases, targets, split setting and L2 flush size
     for name, value in dict(FLUSH_BYTES=1024, ATTENTION_GRID=[(2, 512, 0.4), (2, 512, 0.7)],
                             OLD_KERNEL_ROWS={(2, 512, 0.7)}, SWEEP_ROWS={(2, 512, 0.7): [("max", 4)]}, SPLITS=2, SMALL_BATCH_SPLITS=4,
-                            LAYER_GRID=[(2, 512, 0.7)], PARTS_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4), REPLAY_CASE=(2, 512, 0.7, 4),
-                            TARGETS=[("attention", 2, 512, 0.7, 0.5, "kernel_only_ratio"),
-                                     ("layer", 2, 512, 0.7, 0.65, "ratio")]).items():
+                            LAYER_GRID=[(2, 512, 0.7)], PARTS_GRID=[(2, 512, 0.7)], EXACT_CASE=(2, 512, 0.4),
+                            REPLAY_CASE=(2, 512, 0.7, 4)).items():
         monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(ragged_report, "TARGETS", [("attention", 2, 512, 0.7, 0.5, "kernel_only_ratio"),
+                                                   ("layer", 2, 512, 0.7, 0.65, "ratio")])
     assert bench.model is ragged_step  # the script reads the values set above
     monkeypatch.setattr(bench, "device_name", lambda: "cpu (test)")
     monkeypatch.setattr(bench, "free_memory", lambda: 1 << 40)
@@ -98,7 +99,7 @@ def test_every_section_runs_on_cpu_tensors(bench, monkeypatch, capsys, sglang_ke
     assert report["errors"] == [] and code == 0, report["errors"]
     assert [r["passed"] for r in report["exactness"]] == [True] * 5
     kernels = [(r["kernel"], r["pruned"]) for r in report["attention"]]
-    dense = [("sdpa-dense", 0.0), ("sdpa-gqa", 0.0), ("sglang-dense", 0.0)]  # this torch has enable_gqa
+    dense = [(name, 0.0) for name in ragged_step.dense_variants()] + [("sglang-dense", 0.0)]  # SDPA's layouts here
     kept = [r["kernel"] for r in report["attention"] if "kept" in r["kernel"]]
     assert len(kept) == 2 and kept[0] == kept[1] in ("sdpa-dense over the kept length", "sdpa-gqa over the kept length")
     assert kernels == dense + [(kept[0], 0.4), ("sglang-step", 0.4), ("sglang-flattened", 0.4), (kept[0], 0.7),

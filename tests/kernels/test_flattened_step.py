@@ -85,6 +85,8 @@ def test_a_small_step_runs_more_splits_in_the_same_buffers(kernels):
     step = FlattenedStep(L, 6, H, group, D, 2000, dtype=torch.float32, device=DEVICE, max_kv_splits=2, target_programs=64,
                          min_chunk=8, kernels=kernels, small_batch_splits=8)
     assert step.split_rows == 4 * H * 8 and (step.splits_for(4 * H), step.splits_for(5 * H)) == (8, 2)
+    wide = FlattenedStep(L, 40, H, group, D, 2000, device=DEVICE, max_kv_splits=2, kernels=kernels, small_batch_splits=8)
+    assert wide.split_rows == 40 * H * 2 and (wide.splits_for(4 * H), wide.splits_for(5 * H)) == (8, 2)  # 5 requests fit, but are not small
     pointers = {name: t.data_ptr() for name, t in step.buffers().items()}
     for slots, cap in (([2, 3], 8), ([2, 0, -1, 3, 1], 2)):
         step.fill(ids.to(DEVICE), lengths.to(DEVICE), torch.tensor(slots).to(DEVICE), width=int(lengths.max()))

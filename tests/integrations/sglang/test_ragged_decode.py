@@ -44,8 +44,10 @@ class Run:
         # small row tables (2 slots, 8 columns): growth happens during the steps
         self.store = RaggedStore(40000, layers, HEADS, DIM, rows=2, width=8, dtype=dtype, device=device)
         self.aux = StoreRows(self.store, 10**6)
-        # two splits per row: SGLang's kernel runs interpreted on the CPU (32 splits take minutes)
-        self.buffers = DecodeBuffers(self.store, requests + 1, GROUP, dtype, kernels=kernels, max_kv_splits=2)
+        # two splits per row, four at small batches (the engine: 32 / 64 on a GPU): SGLang's kernel runs interpreted
+        # on the CPU (32 splits take minutes)
+        self.buffers = DecodeBuffers(self.store, requests + 1, GROUP, dtype, kernels=kernels, max_kv_splits=2,
+                                     small_batch_splits=4)
         self.rows = list(range(1, requests + 1))
         self.lengths = [9 + 5 * r for r in self.rows]
         _, _, ids = self.plan()
