@@ -28,6 +28,7 @@ def targets(report: dict, device: str) -> list[dict]:
                     "passed": None if value is None else value <= limit})
     return out
 
+
 def print_report(report) -> None:
     """Prints the report (the rows of every section, the replay, the targets, the errors)."""
     source = report["kernel_source"]

@@ -11,8 +11,8 @@ CPU tensors in float32).
   int32 entry ids per head; the token's K/V and its surrogate score written at preallocated entry ids, the token
   appended to its rows, attention through the given ``attend(q, k, v, ids, lengths, scale)`` callable (the torch
   formula of ``kernels.ragged_attention``; ``StepAttention``: the engine's path, ``kernels.flattened_step``), then
-  the decision for the entry leaving the ``WINDOW``-token window (``kernels.decode_decision``: its Triton kernel on
-  CUDA, its torch formula elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on
+  the decision for the entry leaving the ``WINDOW``-token window (``kernels.decode_decision``: its Triton kernels on
+  CUDA, its torch formulas elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on
   the free stack and the next step's ids popped. All on the device, no read-back: a step can be captured in a CUDA
   graph.
 
@@ -121,7 +121,7 @@ def sdpa_gqa(q, k, v, scale):
 
 def dense_variants() -> dict:
     """The SDPA layouts this torch runs ({name: fn(q, k, v, scale)}): their speeds differ by batch (SDPA picks its
-    kernel by shape), so each is timed and the faster taken."""
+    kernel by shape), so each is timed and the fastest taken."""
     fns = {"sdpa-dense": sdpa_grouped}
     q = torch.zeros(1, Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     k = torch.zeros(1, KV_HEADS, 8, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -165,7 +165,7 @@ class StepAttention:
 class DenseThroughKernel:
     """Dense decode attention through SGLang's decode kernel: every (request, KV head) of a full cache [B, H, T, D]
     one row of all T entries (the cache read in place), laid out once; ``attend(q, k_cache, v_cache, scale)`` as
-    ``dense_step`` takes it. A second dense baseline beside SDPA (at batch 1 SDPA's kernel runs few programs)."""
+    ``dense_step`` takes it. Another dense baseline beside SDPA's layouts (``dense_variants``)."""
 
     def __init__(self, batch, kv_heads, group, head_dim, seq, *, dtype, device, kernels, max_kv_splits=32,
                  use_triton=None, small_batch_splits=None):
