@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
 from kvzap_export.bench import ragged_report  # noqa: E402
-from kvzap_export.bench.ragged_report import print_report  # noqa: E402
+from kvzap_export.bench.ragged_report import print_report  # noqa: E402 - the script's printer (its tests call it here)
 from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS  # noqa: E402
 from kvzap_export.bench.ragged_step import (  # noqa: E402
     DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, dense_variants, kept_lengths, pool_layout,
@@ -126,17 +126,18 @@ class Bench:
                                     dtype=model.DTYPE, device=model.DEVICE, max_kv_splits=splits,
                                     split_policy=policy, kernels=self.kernels)
 
+    def _engine_kernel(self, cls, batch, size):
+        """``cls(batch, heads, group, head dim, size, ...)`` with the engine's split settings on a GPU."""
+        return cls(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, size, dtype=model.DTYPE,
+                   device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS, small_batch_splits=SMALL_BATCH_SPLITS)
+
     def step_attention(self, batch, entries):
         """The engine's path (``StepAttention``: ``FlattenedStep``'s layout of one layer, then SGLang's kernel)."""
-        return StepAttention(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, entries,
-                             dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS,
-                             small_batch_splits=SMALL_BATCH_SPLITS)
+        return self._engine_kernel(StepAttention, batch, entries)
 
     def dense_kernel(self, batch, seq):
         """Dense attention through SGLang's kernel over a full [B, 8, T, 128] cache (``DenseThroughKernel``)."""
-        return DenseThroughKernel(batch, model.KV_HEADS, model.Q_HEADS // model.KV_HEADS, model.HEAD_DIM, seq,
-                                  dtype=model.DTYPE, device=model.DEVICE, kernels=self.kernels, max_kv_splits=SPLITS,
-                                  small_batch_splits=SMALL_BATCH_SPLITS)
+        return self._engine_kernel(DenseThroughKernel, batch, seq)
 
     def row(self, **fields):
         return {"device": self.device_name, **fields}
@@ -265,11 +266,8 @@ class Bench:
             dense_fns = {name: lambda a=a: dense_step(layer, kd, vd, x, attend=a) for name, a in attends.items()}
             ragged_fn = lambda: ragged_step(layer, st, x, flat, self.args.tau)  # noqa: E731
             eager = {name: self.measure(fn) for name, fn in dense_fns.items()}
-            graphs = {name: graphed(fn)[0] for name, fn in dense_fns.items()}
-            dense = {name: self.measure(graph.replay) for name, graph in graphs.items()}
-            ragged_eager = self.measure(ragged_fn)
-            ragged_graph, _ = graphed(ragged_fn)
-            ragged_g = self.measure(ragged_graph.replay)
+            dense = {name: self.graphed_time(fn) for name, fn in dense_fns.items()}
+            ragged_eager, ragged_g = self.measure(ragged_fn), self.graphed_time(ragged_fn)
             best = min(dense, key=dense.get)  # the baseline: the faster dense step, graphed
             self.report["layer"].append(self.row(
                 kernel="sglang-step", batch=batch, seq=seq, pruned=pruned, entries=int(st.lengths.sum()),
@@ -278,7 +276,7 @@ class Bench:
                 ratio_eager=ragged_eager / eager[best],
                 **{f"{name}_graph_us": t * 1e6 for name, t in dense.items()},
                 **{f"{name}_eager_us": t * 1e6 for name, t in eager.items()}))
-            del kd, vd, st, flat, through, graphs, ragged_graph
+            del kd, vd, st, flat, through
             release()
 
     def parts(self):
@@ -311,15 +309,12 @@ class Bench:
                       "attention": lambda: flat.attend(q, st.k, st.v, layer.scale), **common,
                       "scoring": lambda: ragged_score(layer, st, h), "kv_write": lambda: ragged_write(st, k, v),
                       "decisions": lambda: ragged_decide(st, self.args.tau)}
+            kernels = {f"attention ({name})": name for name in attends}  # the other parts: no attention kernel
             for mode, parts in (("dense", dense), ("ragged", ragged)):
                 for part, fn in parts.items():
-                    graph, _ = graphed(fn)
-                    kernel = part[part.find("(") + 1: -1] if mode == "dense" and "(" in part else \
-                        {"dense": "dense", "ragged": "sglang-step"}[mode]
                     self.report["parts"].append(self.row(
-                        kernel=kernel, mode=mode, part=part, batch=batch, seq=seq, pruned=pruned,
-                        graph_us=self.measure(graph.replay) * 1e6))
-                    del graph
+                        kernel=kernels.get(part, mode if mode == "dense" else "sglang-step"), mode=mode, part=part,
+                        batch=batch, seq=seq, pruned=pruned, graph_us=self.graphed_time(fn) * 1e6))
             del kd, vd, st, flat, through
             release()
 

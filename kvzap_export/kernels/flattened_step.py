@@ -128,8 +128,8 @@ class FlattenedStep:
 
     def splits_for(self, rows: int) -> int:
         """The most splits per row of a step of ``rows`` rows (module docstring)."""
-        small = rows <= SMALL_BATCH * self.kv_heads and rows * self.small_batch_splits <= self.split_rows
-        return self.small_batch_splits if small else self.max_kv_splits
+        # split_rows holds min(max_batch, SMALL_BATCH) requests at small_batch_splits, and fill refuses larger steps
+        return self.small_batch_splits if rows <= SMALL_BATCH * self.kv_heads else self.max_kv_splits
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
