@@ -7,10 +7,11 @@ tokens each, ``ignore_eos``). Rounds interleave the configurations (``CONFIGS``,
 dense, evict, ragged[, ragged at a second threshold], ragged with KVzap off, ragged at dense's concurrency), so that a
 slow period of the machine hits every configuration alike; every figure is given as the median over rounds with its
 spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on the fastest setting that runs here: each
-attention backend, with SGLang's overlap scheduler off and on (KVzap's modes need it off), serves a short probe stream
-first, and the fastest is the baseline's; with prompts that share a prefix, the baseline is dense with SGLang's radix
-cache on ("dense, radix": the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run
-with the radix cache off (ragged mode does not share pruned prefixes yet: docs/ragged-kv.md). "Ragged, KVzap off" is
+attention backend, with SGLang's overlap scheduler off and on, serves a short probe stream first, and the fastest is
+the baseline's; with prompts that share a prefix, the baseline is dense with SGLang's radix cache on ("dense, radix":
+the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run with SGLang's overlap
+scheduler on (its default) and the radix cache as the configuration says ("ragged, radix":
+prompts' per-head entries shared exactly, docs/ragged-kv.md). "Ragged, KVzap off" is
 the ragged mode's storage and attention with every request asking for KVzap off: it holds every entry, as dense
 does, so what it gains over dense is the implementation, and what ragged gains over it is the memory KVzap freed.
 "Ragged at dense's concurrency" caps the ragged mode at the requests the baseline ran at once in that round
@@ -124,14 +125,14 @@ class StreamBench:
 
     def spec(self, mode: str, threshold: float | None = None, backend: str | None = None, requests: int | None = None,
              new_tokens: int | None = None, choice: str = "decoding", running: int | None = None,
-             radix: bool = False, overlap: bool = False) -> dict:
+             radix: bool = False, overlap: bool | None = None) -> dict:
         prompts = self.prompts[: requests or self.requests]
         engine = dict(self.engine, **({"attention_backend": backend} if backend else {}))
         if running:
             engine["max_running_requests"] = running
         engine["disable_radix_cache"] = not radix  # whatever the mode's default (ragged mode's is on)
-        if overlap:  # SGLang's own default; KVzap's modes need it off
-            engine["disable_overlap_schedule"] = False
+        if overlap is not None:  # None: the driver's setting (SGLang's default: on)
+            engine["disable_overlap_schedule"] = not overlap
         return {"model": self.model, "bundle": self.bundle, "mode": mode, "threshold": threshold, "engine": engine,
                 "stream": [{"input_ids": p, "max_new_tokens": new_tokens or self.new_tokens, "kvzap": choice}
                            for p in prompts]}
@@ -146,7 +147,7 @@ class StreamBench:
                 "pruning": manifest.get("pruning")}
 
     def probe_dense(self, candidates: tuple[str, ...], on_event=None) -> dict:
-        """Each dense backend, with SGLang's overlap scheduler off and on (its default; KVzap's modes need it off),
+        """Each dense backend, with SGLang's overlap scheduler off and on (its default, which ragged mode keeps),
         serves the first 8 requests with 32 new tokens; the fastest setting is the baseline's."""
         found = {}
         for backend in candidates:
@@ -181,7 +182,7 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     dense = bench.probe_dense(dense_backends, on_event)
     baseline = baseline_of(configs)
     # (label, mode, threshold, attention backend, each request's custom_params kvzap, radix cache, cap on running);
-    # the dense configurations take the probe's overlap setting
+    # the dense configurations take the probe's overlap setting, KVzap's SGLang's default (on)
     plan = []
     for key in configs:
         label, mode, choice, radix, running = CONFIGS[key]
@@ -200,7 +201,7 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                 raise ConfigError(f"'ragged at dense's concurrency' needs {baseline}'s most running requests of the round, "
                                   "but it ran no decode step; give --new-tokens 2 or more")
             result = run_stream(python, bench.spec(mode, tau, backend, choice=choice, running=cap, radix=radix,
-                                                   overlap=mode == "dense" and dense["overlap"]))
+                                                   overlap=dense["overlap"] if mode == "dense" else None))
             figures = run_figures(result)
             if label == baseline:
                 base_running = figures["max_running"]

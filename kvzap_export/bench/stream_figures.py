@@ -69,6 +69,10 @@ def _prompt_end(lines: list[dict]) -> dict:
     return end
 
 
+def _logical(line: dict) -> int:
+    return line.get("logical_length", line.get("seq_len", line["prompt_tokens"] + line["output_tokens"]))
+
+
 def run_figures(result: dict) -> dict:
     """The figures of one run (see the module docstring) from the driver's stream result."""
     steps = [r for r in result["readings"] if r.get("event") != "idle"]
@@ -106,9 +110,11 @@ def run_figures(result: dict) -> dict:
             extend_tokens += prompts
             extend_steps.append({"prompts": len(lines), "prompt_tokens": prompts, "seconds": b - a})
     last = [lines[-1] for lines in by_rid.values()]
-    # At a step end (before SGLang appends the token it just sampled) a request's cache holds its prompt and every
-    # token sampled before this step: the last one was this step's input.
-    dense_last = sum((line["prompt_tokens"] + line["output_tokens"]) * per_token for line in last)
+    # At a step end a dense cache holds the request's logical length in that forward: its prompt and every token sampled
+    # before this step, the last one this step's input (stats.py: KVzap's ``logical_length`` where it decided for the
+    # request, else SGLang's ``seq_len``; readings from before those were written: the counts, which under the overlap
+    # scheduler may lack the previous step's token).
+    dense_last = sum(_logical(line) * per_token for line in last)
     held_last = sum(_held(line) for line in last)
     busiest = max(steps, key=lambda line: _pool_held(line, per_token))
     peak = _pool_held(busiest, per_token)

@@ -51,6 +51,27 @@ def test_figures_of_one_run_from_its_readings():
     assert dense["freed_at_peak"] == pytest.approx(0.0) and dense["kv_held_after_prefill"] == 10 * LH
 
 
+def test_the_dense_size_comes_from_sglangs_length_where_a_reading_has_it():
+    """Under SGLang's overlap scheduler a reading's ``output_tokens`` lacks the previous step's token (the step end runs
+    before SGLang processes that step's result); ``seq_len``, SGLang's length in the forward, and KVzap's
+    ``logical_length`` do not (evict mode lowers ``seq_len``: the logical length wins): with them the figures equal
+    those of the same timeline without overlap, without them the dense size would be short."""
+    plain = run_figures(result(ragged=True))
+    lagging = result(ragged=True)
+    for line in lagging["readings"]:
+        if line.get("forward") == "decode":
+            line["seq_len"] = line["prompt_tokens"] + line["output_tokens"]
+            line["output_tokens"] -= 1
+    assert run_figures(lagging)["freed_at_peak"] == pytest.approx(plain["freed_at_peak"])
+    for line in lagging["readings"]:  # evict mode: SGLang's length is what it kept, KVzap's logical length is the one
+        if "seq_len" in line:
+            line["logical_length"], line["seq_len"] = line["seq_len"], line["seq_len"] - 5
+    assert run_figures(lagging)["freed_at_peak"] == pytest.approx(plain["freed_at_peak"])
+    for line in lagging["readings"]:
+        line.pop("seq_len", None), line.pop("logical_length", None)
+    assert run_figures(lagging)["freed_at_peak"] < plain["freed_at_peak"]
+
+
 def test_medians_over_rounds_and_ratios_against_dense():
     runs = []
     for number, speed in enumerate((1.0, 0.5, 2.0), start=1):

@@ -75,7 +75,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_FB, "ForwardMode.is_decode", "method", ("self",)),
     # launch check and step end
     ApiName(_SCHED, "Scheduler.__init__", "method", ("self", "server_args", "port_args")),
-    ApiName(_SCHED, "Scheduler.process_batch_result", "method", ("self", "batch", "result")),
+    ApiName(_SCHED, "Scheduler.run_batch", "method", ("self", "batch", "pp_proxy_tensors")),
     ApiName(_SCHED, "Scheduler.chunked_req", "field"),
     ApiName(_SCHED, "Scheduler.running_batch", "field"),
     ApiName(_SB, "ScheduleBatch.batch_is_full", "field"),
@@ -121,7 +121,11 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_POOL, "MHATokenToKVPool.is_quantized_kv_cache", "property"),
     # server setup checked at the first step end (ServerSetup)
     ApiName(_SCHED, "Scheduler.tree_cache", "field"),
+    ApiName(_SCHED, "Scheduler.enable_pdmux", "field"),
     ApiName(_SCHED, "Scheduler.enable_overlap", "field"),
+    # Scheduler.forward_stream too (plugin._in_forward_stream), assigned by tuple unpacking, which this check cannot see
+    ApiName(_SCHED, "Scheduler.schedule_stream", "field"),
+    ApiName(_SCHED, "Scheduler.device_module", "field"),
     ApiName(_SCHED, "Scheduler.page_size", "field"),
     ApiName(_SCHED, "Scheduler.spec_algorithm", "field"),
     ApiName(_SCHED, "Scheduler.is_mixed_chunk", "field"),

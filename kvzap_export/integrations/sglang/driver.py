@@ -35,9 +35,10 @@ from pathlib import Path
 # The settings every mode needs on any machine (docs/integrations.md); the CPU needs the torch_native family.
 # Chunked prefill stays at SGLang's own default size (a prompt is decided at its last chunk, as kvpress decides it
 # at the prompt's end); a spec's "engine" overrides any of these (the benchmark's "dense, radix" turns the radix
-# cache back on for SGLang without KVzap). Ragged mode runs with the radix cache on (RADIX_MODES).
+# cache back on for SGLang without KVzap). Ragged mode runs with the radix cache on (RADIX_MODES); every mode with
+# SGLang's overlap scheduler on, its default (KVzap's step end runs before the next batch is prepared: plugin.py).
 BASE_ENGINE_ARGS = {
-    "disable_radix_cache": True, "disable_overlap_schedule": True, "page_size": 1,
+    "disable_radix_cache": True, "page_size": 1,
     "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
     "log_level": "warning", "skip_server_warmup": True,
 }

@@ -14,7 +14,10 @@ Hooks (SGLang's ``HookRegistry``):
     ``hidden_states`` is the post-input-RMSNorm attention input);
   - AFTER ``Scheduler.__init__``: reads the server's settings (``ServerSetup``) and stops the launch with one
     line if one is wrong for the mode;
-  - BEFORE ``Scheduler.process_batch_result``: the step end (decisions, eviction, readings);
+  - AFTER ``Scheduler.run_batch``: the step end (decisions, eviction, readings) of the batch whose forward just ran.
+    Both of SGLang's event loops call it before they prepare the next batch: the normal loop right before this
+    batch's ``process_batch_result``, the overlap loop at the latest before the previous batch's; so the next forward always sees
+    this step's decisions, and the overlap scheduler changes only when SGLang processes results (docs/ragged-kv.md);
   - AFTER ``ForwardBatch.init_new`` (evict mode): logical RoPE positions.
 Mask and evict modes register the ``kvzap_native`` and ``kvzap_flex`` attention backends (decode attends to
 exactly kvpress's set); ragged mode registers ``kvzap_ragged`` and replaces the model runner's KV pool.
@@ -22,6 +25,7 @@ exactly kvpress's set); ragged mode registers ``kvzap_ragged`` and replaces the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -122,14 +126,37 @@ def _graphs_hook(model_runner, *args, **kwargs):
                           "(stopped before the capture)")
 
 
+def _ran_batch(args, kwargs):
+    """(scheduler, batch) of a ``Scheduler.run_batch(batch, ...)`` call."""
+    return args[0], kwargs["batch"] if "batch" in kwargs else args[1]
+
+
+@contextlib.contextmanager
+def _in_forward_stream(scheduler):
+    """Runs the step end in stream order with the forward that just ran. Under SGLang's overlap scheduler on a GPU the
+    forward runs on ``scheduler.forward_stream``: the step end's work goes on that stream (after the forward, before
+    the next one), and the scheduler's own stream then waits for it, because the next batch's preparation (ragged mode:
+    entries popped from the free list the step end pushes to) runs there, and SGLang's barrier before it waits only for
+    a decode graph's replay. A no-op otherwise (the normal loop, or the CPU engine, where the forward has finished)."""
+    stream = getattr(scheduler, "forward_stream", None)
+    if not getattr(scheduler, "enable_overlap", False) or stream is None or not hasattr(stream, "cuda_stream"):
+        yield
+        return
+    with scheduler.device_module.stream(stream):
+        yield
+    scheduler.schedule_stream.wait_stream(stream)
+
+
 @one_line
-def _step_end_hook(scheduler, batch, *args, **kwargs):
+def _step_end_hook(result, *args, **kwargs):
+    scheduler, batch = _ran_batch(args, kwargs)
     rt = runtime()
     if rt.setup is None:  # a scheduler built before the plugin's hooks were applied
         rt.check_setup(ServerSetup.of(scheduler), *_backends(rt.mode))
     allocator = scheduler.token_to_kv_pool_allocator
     before = allocator.available_size()
-    rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
+    with _in_forward_stream(scheduler):
+        rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
     if rt.stats is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()) and batch.reqs:
         counts = tallies()
         rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None, scheduler)
@@ -164,7 +191,8 @@ def _readings_only():
     return AllocatorReadings.from_env(group.rank_in_group if group is not None else 0)
 
 
-def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
+def _dense_step_end_hook(result, *args, **kwargs):
+    scheduler, batch = _ran_batch(args, kwargs)
     readings = _readings_only()
     if readings is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()):
         readings.record(batch, scheduler=scheduler)
@@ -173,7 +201,7 @@ def _dense_step_end_hook(scheduler, batch, *args, **kwargs):
 def install_readings_only() -> None:
     """Readings of SGLang's allocator without KVzap (the dense baseline; ``KVZAP_STATS`` without a bundle)."""
     hooks = sglang_module("sglang.srt.plugins.hook_registry")
-    hooks.HookRegistry.register(api("Scheduler.process_batch_result").target, _dense_step_end_hook, hooks.HookType.BEFORE)
+    hooks.HookRegistry.register(api("Scheduler.run_batch").target, _dense_step_end_hook, hooks.HookType.AFTER)
     hooks.HookRegistry.register(api("Scheduler.on_idle").target, _idle_hook, hooks.HookType.AFTER)
 
 
@@ -200,7 +228,7 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
         register(api(name).target, _score_hook, kind.BEFORE)
     register(api("ModelRunner.init_cuda_graphs").target, _graphs_hook, kind.BEFORE)
     register(api("Scheduler.__init__").target, _scheduler_built_hook, kind.AFTER)
-    register(api("Scheduler.process_batch_result").target, _step_end_hook, kind.BEFORE)
+    register(api("Scheduler.run_batch").target, _step_end_hook, kind.AFTER)
     register(api("Scheduler.on_idle").target, _idle_hook, kind.AFTER)
     if mode in ("evict", "mask"):
         from kvzap_export.integrations.sglang import masking

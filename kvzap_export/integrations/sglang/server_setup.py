@@ -63,16 +63,15 @@ class ServerSetup:
     Evict mode moves K/V inside a request's own slots and frees the tail, which is only sound when a slot
     belongs to one request (no radix cache; mask mode needs it off too; ragged mode runs it with KVzap's tree), is freed one by one (page size 1), is addressed physically (no
     unified memory, no decode context parallelism), stores plain K/V (no quantized cache: its reads are
-    dequantized copies and its scales would stay behind), and when the step end runs before the next batch
-    is prepared (no overlap). Every mode needs every layer in this process (no pipeline parallelism), ranks
+    dequantized copies and its scales would stay behind). SGLang's overlap scheduler is fine in every mode: the
+    step end, an AFTER hook on ``run_batch``, runs before the next batch is prepared in both of SGLang's loops. Every mode needs every layer in this process (no pipeline parallelism), ranks
     that schedule the same requests (no attention data parallelism), a cache that stays on this server (no
     prefill/decode disaggregation, whose transfers read logical lengths), Python hooks that run at every
-    step (no speculative decoding; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
+    step once per forward (no speculative decoding, no PD multiplexing; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
     (no mixed chunks: the masking backends mask decode, not extend).
     """
 
     radix_cache: bool
-    overlap: bool
     page_size: int
     speculative: bool
     mixed_chunk: bool
@@ -90,6 +89,7 @@ class ServerSetup:
     prefill_graphs: bool = False  # CUDA graphs captured for prefill
     tp_size: int = 1
     radix_tree: str = ""  # the class of SGLang's tree cache (ragged mode shares prefixes through KVzap's own)
+    pdmux: bool = False  # PD multiplexing (--enable-pdmux): a prompt's forward split into layer groups
 
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
@@ -100,7 +100,7 @@ class ServerSetup:
         kernel = context.get_exec().kernel
         decode_graphs, prefill_graphs = graph_phases()
         backend = kernel.attention_backend or ""
-        return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False), overlap=bool(scheduler.enable_overlap),
+        return cls(radix_cache=not getattr(scheduler.tree_cache, "disable", False),
                    page_size=int(scheduler.page_size), speculative=not scheduler.spec_algorithm.is_none(),
                    mixed_chunk=bool(scheduler.is_mixed_chunk),
                    unified_memory=bool(context.get_memory().enable_unified_memory), dcp_size=int(parallel.dcp_size),
@@ -110,7 +110,8 @@ class ServerSetup:
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
                    decode_backend=str(kernel.decode_attention_backend or backend), decode_graphs=decode_graphs,
                    prefill_graphs=prefill_graphs,
-                   tp_size=int(parallel.tp_size), radix_tree=type(scheduler.tree_cache).__name__)
+                   tp_size=int(parallel.tp_size), radix_tree=type(scheduler.tree_cache).__name__,
+                   pdmux=bool(scheduler.enable_pdmux))
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
         """Each setting that is wrong for ``mode``, with the flag that fixes it.
@@ -124,12 +125,13 @@ class ServerSetup:
         elif self.radix_cache and self.radix_tree != RAGGED_TREE:
             out.append(f"the radix cache is on with another tree than KVzap's ({self.radix_tree}: drop "
                        "--radix-cache-backend and --enable-hierarchical-cache, or add --disable-radix-cache)")
-        if self.overlap:
-            out.append("the overlap scheduler is on (add --disable-overlap-schedule)")
         if mode == "ragged" and self.prefill_graphs:
             out.append(PREFILL_GRAPHS_PROBLEM)
         elif mode != "ragged" and (self.decode_graphs or self.prefill_graphs):
             out.append(GRAPHS_PROBLEM)
+        if self.pdmux:
+            out.append("PD multiplexing is on (drop --enable-pdmux: it runs a prompt's forward in layer splits, one "
+                       "run_batch each, and KVzap's step end decides a prompt once its whole forward has run)")
         if self.speculative:
             out.append("speculative decoding is on (drop --speculative-algorithm)")
         if self.unified_memory:

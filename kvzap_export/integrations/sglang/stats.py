@@ -71,10 +71,12 @@ class AllocatorReadings:
         return out
 
     def record(self, batch, rt=None, extra: dict | None = None, scheduler=None) -> None:
-        """One line per request of the batch, at the end of its step (before SGLang frees finished rows); ``extra``
-        goes on every line (``host_reads``: the step's counted reads, ``host_reads.py``). ``scheduler``: its allocator
-        and radix tree are read (the batch SGLang's overlap scheduler hands to its step end is a copy without an
-        allocator)."""
+        """One line per request of the batch, at the end of its step (right after its forward, before SGLang processes
+        its result: under the overlap scheduler ``output_ids`` may then lack the previous step's token, so the length
+        to read is ``logical_length`` where KVzap decided for the request, else ``seq_len``, SGLang's own length of the
+        request in this forward, which evict mode lowers to what it kept); ``extra`` goes on every line
+        (``host_reads``: the step's counted reads, ``host_reads.py``). ``scheduler``: its allocator and radix tree are
+        read."""
         allocator = scheduler.token_to_kv_pool_allocator if scheduler is not None else batch.token_to_kv_pool_allocator
         pool = self._pool(allocator, rt, getattr(scheduler, "tree_cache", None))
         now, forward = time.time(), "extend" if batch.forward_mode.is_extend() else "decode"
@@ -89,6 +91,7 @@ class AllocatorReadings:
                     "kvzap": bool(decided), "decoding": decided.pop("decoding", None),
                     "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
                     "step_tokens": int(extend_lens[i]) if extend_lens is not None else 1,
+                    "seq_len": int(batch.seq_lens_cpu[i]),
                     "running_requests": len(batch.reqs), "row_slots": int(req.kv.kv_allocated_len), **pool, **decided}
             if rt is not None:
                 line.update(rt.pool_readings(idx))

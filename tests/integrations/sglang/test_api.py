@@ -313,7 +313,7 @@ def flag_problems(flags: dict[str, ServerFlag], uses) -> list[str]:
 
 def test_every_server_flag_we_name_exists(wheel):
     uses = flags_we_tell_users()
-    assert {"--disable-radix-cache", "--disable-overlap-schedule", "--page-size", "--cuda-graph-backend-decode",
+    assert {"--disable-radix-cache", "--enable-pdmux", "--page-size", "--cuda-graph-backend-decode",
             "--attention-backend"} <= {flag for flag, _, _ in uses}
     problems = flag_problems(server_flags(Source(wheel)), uses)
     assert not problems, "flags the glue or its docs name that sglang 0.5.23 does not take:\n" + "\n".join(problems)

@@ -93,6 +93,7 @@ def test_mask_mode_gives_kvpress_tokens_and_frees_nothing(request, capsys, which
     code, result = engine_level(capsys, model, bundle, "mask")
     assert code == 0, why(result)
     check_against_kvpress(result, reference_prompts(bundle))
+    assert result["engine_info"]["resolved"]["disable_overlap_schedule"] is False  # SGLang's overlap scheduler ran
     for row in result["prompts"]:  # every token of every head, read from SGLang's allocator
         assert row["kv_held"] == row["kv_dense"] == (len(row["prompt_ids"]) + NEW_TOKENS - 1) * ENTRIES_PER_TOKEN[which]
     assert (bundle / "report" / "engine-sglang-mask.md").read_text().startswith("# Engine level: sglang (mask mode) ✓ passed")
@@ -104,6 +105,7 @@ def test_evict_mode_gives_kvpress_tokens_and_frees_what_decisions_imply(request,
     code, result = engine_level(capsys, model, bundle, "evict")
     assert code == 0, why(result)
     check_against_kvpress(result, reference_prompts(bundle))
+    assert result["engine_info"]["resolved"]["disable_overlap_schedule"] is False  # SGLang's overlap scheduler ran
     for row in result["prompts"]:  # the allocator's count is the decisions' count (one request at a time)
         assert row["kv_held"] == row["decided_entries"] <= row["kv_dense"]
     assert result["freed_fraction"] > 0.0  # τ = 0 on the tiny Qwen3: every head of every layer drops something
@@ -115,6 +117,8 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
     code, result = engine_level(capsys, model, bundle, "ragged")
     assert code == 0, why(result)
     check_against_kvpress(result, reference_prompts(bundle))
+    resolved = result["engine_info"]["resolved"]  # SGLang's defaults: radix cache, chunked prefill, overlap scheduler
+    assert resolved["disable_overlap_schedule"] is False and resolved["disable_radix_cache"] is False
     for row in result["prompts"]:  # read from the per-head pool's free list, one request at a time
         dense = (len(row["prompt_ids"]) + NEW_TOKENS - 1) * ENTRIES_PER_TOKEN[which]
         assert row["kv_held"] == row["decided_entries"] < row["kv_dense"] == dense
@@ -179,9 +183,8 @@ def test_flex_backend_and_chunked_prefill_in_the_cpu_engine(qwen3):
 
 
 @pytest.mark.parametrize("mode, args, named", [
-    ("evict", {"page_size": 4, "disable_overlap_schedule": False, "disable_radix_cache": False},
-     ["the page size is 4 (use --page-size 1", "the overlap scheduler is on (add --disable-overlap-schedule)",
-      "the radix cache is on (add --disable-radix-cache)"]),
+    ("evict", {"page_size": 4, "disable_radix_cache": False},
+     ["the page size is 4 (use --page-size 1", "the radix cache is on (add --disable-radix-cache)"]),
     ("ragged", {"attention_backend": "torch_native", "enable_mixed_chunk": True, "chunked_prefill_size": 64},
      ["(drop --enable-mixed-chunk)",
       "the decode attention backend is torch_native (use --attention-backend kvzap_ragged)",
@@ -356,6 +359,7 @@ def test_concurrent_requests_give_kvpress_tokens_with_a_constant_number_of_host_
         model, bundle = request.getfixturevalue(name)
         out, expected = concurrent_reference_stream(model, bundle, mode, tmp_path / name)
         assert [r["output_ids"] for r in out["stream"]] == expected
+        assert out["engine"]["resolved"]["disable_overlap_schedule"] is False  # SGLang's overlap scheduler ran
         forward, step_end = decode_host_reads(out)
         assert len(forward) == 1, sorted(forward)
         forward_counts |= forward

@@ -143,3 +143,35 @@ def test_graphs_a_mode_cannot_run_stop_the_launch_before_the_capture_in_one_line
     message = str(info.value)
     assert message.startswith(f"kvzap-export: KVzap ({mode} mode) cannot run on this SGLang server: {refused}")
     assert "\n" not in message and message.endswith("(stopped before the capture)")
+
+
+def test_the_step_end_runs_on_the_forwards_stream_only_under_the_overlap_scheduler_on_a_gpu():
+    """The step end is an AFTER hook on ``Scheduler.run_batch(batch)``: (result, scheduler, batch) in, the result kept.
+    Under SGLang's overlap scheduler on a GPU the forward runs on ``scheduler.forward_stream``, so the step end's work is
+    put on that stream and the scheduler's stream (where the next batch is prepared) waits for it; the normal loop, and the CPU engine's streams (no ``cuda_stream``), need no stream change. The
+    scheduler and its streams are stood in (plumbing: the real ordering is tested in the engine, test_engine.py)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    entered, waited = [], []
+
+    class Streams:
+        @staticmethod
+        @contextlib.contextmanager
+        def stream(s):
+            entered.append(s)
+            yield
+
+    cuda_stream = SimpleNamespace(cuda_stream=7)
+    for overlap, stream, expected in ((True, cuda_stream, [cuda_stream]), (False, cuda_stream, []),
+                                      (True, SimpleNamespace(), []), (True, None, [])):
+        entered.clear(), waited.clear()
+        scheduler = SimpleNamespace(enable_overlap=overlap, forward_stream=stream, device_module=Streams,
+                                    schedule_stream=SimpleNamespace(wait_stream=waited.append))
+        with plugin._in_forward_stream(scheduler):
+            assert entered == expected
+            assert waited == []  # the scheduler's stream waits after the step end's work, not before
+        assert entered == expected and waited == expected, (overlap, stream)
+    batch, scheduler = object(), object()
+    assert plugin._ran_batch((scheduler, batch), {}) == (scheduler, batch)
+    assert plugin._ran_batch((scheduler,), {"batch": batch}) == (scheduler, batch)

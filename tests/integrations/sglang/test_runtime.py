@@ -130,7 +130,7 @@ def test_request_choice_reads_custom_params():
 
 
 def good_setup(**changes):
-    base = dict(radix_cache=False, overlap=False, page_size=1, speculative=False, mixed_chunk=False,
+    base = dict(radix_cache=False, page_size=1, speculative=False, mixed_chunk=False,
                 unified_memory=False, dcp_size=1, pp_size=1, attn_dp_size=1, disaggregation="null",
                 kv_dtype=torch.bfloat16, kv_quantized=False, kv_slots=4096, prefill_backend="kvzap_ragged",
                 decode_backend="kvzap_ragged")
@@ -143,8 +143,8 @@ ALL = ("evict", "mask", "ragged")
 @pytest.mark.parametrize("change, modes, flag", [
     ({"radix_cache": True}, ALL, "--disable-radix-cache"),  # ragged mode: SGLang's own tree, not KVzap's
     ({"radix_cache": True, "radix_tree": "KVzapRaggedRadixCache"}, ("evict", "mask"), "--disable-radix-cache"),
-    ({"overlap": True}, ALL, "--disable-overlap-schedule"),
     ({"speculative": True}, ALL, "--speculative-algorithm"),
+    ({"pdmux": True}, ALL, "--enable-pdmux"),
     ({"unified_memory": True}, ALL, "--enable-unified-memory"),
     ({"dcp_size": 2}, ALL, "--dcp-size 1"),
     ({"pp_size": 2}, ALL, "--pp-size 1"),
