@@ -16,8 +16,9 @@ Hooks (SGLang's ``HookRegistry``):
     line if one is wrong for the mode;
   - AFTER ``Scheduler.run_batch``: the step end (decisions, eviction, readings) of the batch whose forward just ran.
     Both of SGLang's event loops call it before they prepare the next batch: the normal loop right before this
-    batch's ``process_batch_result``, the overlap loop at the latest before the previous batch's; so the next forward always sees
-    this step's decisions, and the overlap scheduler changes only when SGLang processes results (docs/ragged-kv.md);
+    batch's ``process_batch_result``, the overlap loop at the latest before the previous batch's; so the next forward
+    always sees this step's decisions, and the overlap scheduler changes only when SGLang processes results
+    (docs/integrations.md, the flags table);
   - AFTER ``ForwardBatch.init_new`` (evict mode): logical RoPE positions.
 Mask and evict modes register the ``kvzap_native`` and ``kvzap_flex`` attention backends (decode attends to
 exactly kvpress's set); ragged mode registers ``kvzap_ragged`` and replaces the model runner's KV pool.

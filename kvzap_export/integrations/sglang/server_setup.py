@@ -60,14 +60,15 @@ RAGGED_TREE = "KVzapRaggedRadixCache"  # ragged_radix.py's tree (ragged mode's r
 class ServerSetup:
     """What ``problems(mode)`` needs to know about one scheduler.
 
-    Evict mode moves K/V inside a request's own slots and frees the tail, which is only sound when a slot
-    belongs to one request (no radix cache; mask mode needs it off too; ragged mode runs it with KVzap's tree), is freed one by one (page size 1), is addressed physically (no
-    unified memory, no decode context parallelism), stores plain K/V (no quantized cache: its reads are
-    dequantized copies and its scales would stay behind). SGLang's overlap scheduler is fine in every mode: the
-    step end, an AFTER hook on ``run_batch``, runs before the next batch is prepared in both of SGLang's loops. Every mode needs every layer in this process (no pipeline parallelism), ranks
-    that schedule the same requests (no attention data parallelism), a cache that stays on this server (no
-    prefill/decode disaggregation, whose transfers read logical lengths), Python hooks that run at every
-    step once per forward (no speculative decoding, no PD multiplexing; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
+    Evict mode moves K/V inside a request's own slots and frees the tail, which is only sound when a slot belongs to one
+    request (no radix cache; mask mode needs it off too; ragged mode runs it with KVzap's tree), is freed one by one
+    (page size 1), is addressed physically (no unified memory, no decode context parallelism) and stores plain K/V (no
+    quantized cache: its reads are dequantized copies and its scales would stay behind). SGLang's overlap scheduler is
+    fine in every mode: the step end, an AFTER hook on ``run_batch``, runs before the next batch is prepared in both of
+    SGLang's loops. Every mode needs every layer in this process (no pipeline parallelism), ranks that schedule the same
+    requests (no attention data parallelism), a cache that stays on this server (no prefill/decode disaggregation, whose
+    transfers read logical lengths), Python hooks that run once per forward at every step (no speculative decoding, no
+    PD multiplexing; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
     (no mixed chunks: the masking backends mask decode, not extend).
     """
 
