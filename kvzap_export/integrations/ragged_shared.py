@@ -44,9 +44,15 @@ class SharedRaggedStore(RaggedStore):
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
         self.reclaimer = None  # callable(short): frees at least ``short`` more entries (the engine's prefix cache)
         self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
+        self.dropped_prompts = 0  # rows whose records ``drop_unanchored`` ended before the engine cached them
         # lock -> soft entries on the path a request was admitted with, until the allocation that adopts them: they are
         # not room (the adoption makes them the row's), though they are soft until then
         self.pending: dict[int, int] = {}
+        # request row -> (position, slots): the row's records from ``position`` on, which the engine's prefix cache has
+        # not taken yet (``anchored``). Under an overlap scheduler the engine inserts a prompt into its cache a step
+        # after the step end recorded it, and admits requests in between: their soft entries are room, and only
+        # ``drop_unanchored`` (not the cache's own eviction) can take them back then
+        self.unanchored: dict[int, tuple[int, torch.Tensor]] = {}
 
     # ---- accounting --------------------------------------------------------------------------------
     @property
@@ -94,6 +100,7 @@ class SharedRaggedStore(RaggedStore):
     def release(self, row: int) -> int:
         self.dense_len.pop(row, None)
         self.adopted.pop(row, None)
+        self.unanchored.pop(row, None)  # the engine frees or caches its slots (``drop_records`` for the freed ones)
         return super().release(row)
 
     # ---- records -------------------------------------------------------------------------------------
@@ -118,16 +125,20 @@ class SharedRaggedStore(RaggedStore):
         if not rows:
             return 0
         ok = []
+        slots = slots.to(self.device, torch.int64)
+        start = 0
         for r, n in zip(rows, counts):
             held = self.lengths_host[self.slot_of[r]] if r in self.slot_of else None
             dense = held is not None and bool((held == self.logical[r]).all())
             ok.append(n > 0 and dense and r not in exclude and self.dense_len.get(r, 0) == self.logical[r] - n)
             if ok[-1]:
                 self.dense_len[r] = self.logical[r]
+                at, before = self.unanchored.get(r, (self.logical[r] - n, slots[:0]))
+                self.unanchored[r] = (at, torch.cat([before, slots[start:start + n]]))
+            start += n
         keep = torch.repeat_interleave(torch.tensor(ok), torch.tensor(counts))
         if not bool(keep.any()):
             return 0
-        slots = slots.to(self.device, torch.int64)
         if not bool(keep.all()):
             where = upload(self.device, torch.nonzero(keep).reshape(-1))[0]
             slots, new_ids = slots[where], new_ids[..., where]
@@ -155,6 +166,27 @@ class SharedRaggedStore(RaggedStore):
         self.soft -= int(free.numel())
         self._push(free)
         return int(free.numel())
+
+    def anchored(self, row: int, length: int) -> None:
+        """The engine's prefix cache now holds row ``row``'s first ``length`` tokens: their records are its to evict."""
+        if row in self.unanchored:
+            at, slots = self.unanchored[row]
+            if length >= at + int(slots.numel()):
+                del self.unanchored[row]
+            elif length > at:
+                self.unanchored[row] = (length, slots[length - at:])
+
+    def drop_unanchored(self) -> int:
+        """Ends the records the engine's prefix cache has not taken yet (running prompts recorded a step ago, under an
+        overlap scheduler): their soft entries are freed, and each row's recorded length falls back to where they
+        began, so the engine will not cache those tokens. Returns the entries freed."""
+        freed = 0
+        for row, (at, slots) in self.unanchored.items():
+            freed += self.drop_records(slots)
+            self.dense_len[row] = at
+        self.dropped_prompts += len(self.unanchored)
+        self.unanchored.clear()
+        return freed
 
     def soft_per_slot(self, slots: torch.Tensor) -> torch.Tensor:
         """int64 [n] on the host: for each slot, the entries of its record no row holds (0 without a record)."""

@@ -125,3 +125,35 @@ def test_soft_entries_an_admitted_request_will_adopt_are_not_room():
     store.pending.clear()  # what the engine does once the batch's rows adopted their prefixes
     assert store.reclaimable == store.capacity - L * H * 4 and store.soft == 0
     accounted(store)
+
+
+def test_records_the_prefix_cache_has_not_taken_yet_can_be_dropped_and_are_not_cached_then():
+    """Under an overlap scheduler SGLang inserts a prompt into its tree a step after the step end recorded it, and admits
+    requests in between, counting the prompt's soft entries as room: until the tree takes them (``anchored``) only
+    ``drop_unanchored`` can free them, and the row's recorded length falls back so the tree will not cache them."""
+    store = make()
+    scores = torch.full((L, H, 6), 5.0)
+    scores[:, :, 1] = -9.0
+    prefill(store, 0, [1, 2, 3, 4, 5, 6], scores)
+    store.decide_prefill([0], threshold=0.0, window=2)
+    assert store.soft == L * H and list(store.unanchored) == [0] and store.dense_len[0] == 6
+    free = store.available
+    assert store.drop_unanchored() == L * H and store.dropped_prompts == 1  # token 1's: only the record held them
+    assert store.soft == 0 and store.available == free + L * H and store.dense_len[0] == 0 and not store.unanchored
+    assert not bool(store.slot_has[1:7].any())
+    accounted(store)
+
+    store = make()  # a prompt in two chunks, then the tree takes its first 4 tokens, then all
+    first = store.append([0], [3])
+    store.record([0], [3], torch.tensor([1, 2, 3]), first)
+    second = store.append([0], [3])
+    store.record([0], [3], torch.tensor([4, 5, 6]), second)
+    at, slots = store.unanchored[0]
+    assert at == 0 and slots.tolist() == [1, 2, 3, 4, 5, 6]
+    store.anchored(0, 4)
+    at, slots = store.unanchored[0]
+    assert at == 4 and slots.tolist() == [5, 6]
+    store.anchored(0, 6)
+    assert not store.unanchored and store.drop_unanchored() == 0 and store.dense_len[0] == 6
+    store.release(0)
+    accounted(store)

@@ -110,6 +110,7 @@ def radix_cache_class():
                 super().checkpoint(req, up_to=min(int(up_to), recorded))
             finally:
                 self._in_checkpoint = False
+            self.store.anchored(row, min(int(up_to), recorded))
             self._cut_unlocked()
 
         def lock(self, node):
@@ -160,7 +161,8 @@ def radix_cache_class():
         def reclaim(self, short: int) -> None:
             """Frees at least ``short`` entries for an allocation that found too few free (``available_size()``
             counted them as room): unlocked nodes through SGLang's eviction first, then the records of locked nodes,
-            least recently used first (those nodes become broken)."""
+            least recently used first (those nodes become broken), then the records of prompts not in the tree yet
+            (under the overlap scheduler: ``SharedRaggedStore.drop_unanchored``)."""
             store, per_token = self.store, self.entries_per_token
             target = store.available + short
             allocator = self.token_to_kv_pool_allocator
@@ -197,6 +199,11 @@ def radix_cache_class():
                 store.reclaimed_nodes += len(chosen)
                 log.info("KVzap ragged mode: took back %d soft entries from %d running prompts' cached nodes", gained,
                          len(chosen))
+            if store.available < target and store.unanchored:
+                # under the overlap scheduler: prompts recorded a step ago, which SGLang has not inserted into the tree
+                # yet (it processes a step's result after it prepares the next batch); they will not be cached
+                gained = store.drop_unanchored()
+                log.info("KVzap ragged mode: took back %d soft entries of running prompts not yet in the tree", gained)
             if store.available < target:
                 raise RuntimeError(f"ragged KV store: {target - store.available} entries short after reclaiming every "
                                    "soft entry (the accounting let through more than the store holds: our bug)")
