@@ -176,16 +176,29 @@ class SharedRaggedStore(RaggedStore):
             elif length > at:
                 self.unanchored[row] = (length, slots[length - at:])
 
-    def drop_unanchored(self) -> int:
-        """Ends the records the engine's prefix cache has not taken yet (running prompts recorded a step ago, under an
-        overlap scheduler): their soft entries are freed, and each row's recorded length falls back to where they
-        began, so the engine will not cache those tokens. Returns the entries freed."""
-        freed = 0
-        for row, (at, slots) in self.unanchored.items():
-            freed += self.drop_records(slots)
-            self.dense_len[row] = at
-        self.dropped_prompts += len(self.unanchored)
-        self.unanchored.clear()
+    def drop_unanchored(self, short: int | None = None) -> int:
+        """Ends records the engine's prefix cache has not taken yet (running prompts recorded a step ago, under an
+        overlap scheduler): those of the rows holding the most soft entries first, until ``short`` entries are freed
+        (None: every row with a soft entry). A dropped row's recorded length falls back to where those records began,
+        so the engine will not cache those tokens; rows whose records hold no soft entry keep them. Reads the device
+        once (the soft entries per row). Returns the entries freed."""
+        rows = list(self.unanchored)
+        if not rows:
+            return 0
+        slots = [self.unanchored[r][1] for r in rows]
+        soft = self.soft_per_slot(torch.cat(slots)).split([int(s.numel()) for s in slots])
+        chosen, gained = [], 0
+        for n, row in sorted(((int(s.sum()), r) for s, r in zip(soft, rows)), key=lambda x: -x[0]):
+            if n == 0 or (short is not None and gained >= short):
+                break
+            chosen.append(row)
+            gained += n
+        if not chosen:
+            return 0
+        freed = self.drop_records(torch.cat([self.unanchored[r][1] for r in chosen]))
+        for row in chosen:
+            self.dense_len[row] = self.unanchored.pop(row)[0]
+        self.dropped_prompts += len(chosen)
         return freed
 
     def soft_per_slot(self, slots: torch.Tensor) -> torch.Tensor:

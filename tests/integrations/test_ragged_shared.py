@@ -136,11 +136,14 @@ def test_records_the_prefix_cache_has_not_taken_yet_can_be_dropped_and_are_not_c
     scores[:, :, 1] = -9.0
     prefill(store, 0, [1, 2, 3, 4, 5, 6], scores)
     store.decide_prefill([0], threshold=0.0, window=2)
-    assert store.soft == L * H and list(store.unanchored) == [0] and store.dense_len[0] == 6
+    prefill(store, 1, [7, 8, 9])  # recorded, nothing evicted yet: dropping its records would free nothing
+    assert store.soft == L * H and sorted(store.unanchored) == [0, 1] and store.dense_len[0] == 6
     free = store.available
-    assert store.drop_unanchored() == L * H and store.dropped_prompts == 1  # token 1's: only the record held them
-    assert store.soft == 0 and store.available == free + L * H and store.dense_len[0] == 0 and not store.unanchored
-    assert not bool(store.slot_has[1:7].any())
+    assert store.drop_unanchored(1) == L * H and store.dropped_prompts == 1  # token 1's: only the record held them
+    assert store.soft == 0 and store.available == free + L * H and store.dense_len[0] == 0
+    assert not bool(store.slot_has[1:7].any()) and bool(store.slot_has[7:10].all())
+    assert list(store.unanchored) == [1] and store.dense_len[1] == 3  # kept: the tree may still cache it
+    assert store.drop_unanchored() == 0 and list(store.unanchored) == [1]
     accounted(store)
 
     store = make()  # a prompt in two chunks, then the tree takes its first 4 tokens, then all

@@ -110,7 +110,7 @@ def radix_cache_class():
                 super().checkpoint(req, up_to=min(int(up_to), recorded))
             finally:
                 self._in_checkpoint = False
-            self.store.anchored(row, min(int(up_to), recorded))
+            self.store.anchored(row, int(req.kv.cache_protected_len))  # what the tree now holds of the row
             self._cut_unlocked()
 
         def lock(self, node):
@@ -202,7 +202,7 @@ def radix_cache_class():
             if store.available < target and store.unanchored:
                 # under the overlap scheduler: prompts recorded a step ago, which SGLang has not inserted into the tree
                 # yet (it processes a step's result after it prepares the next batch); they will not be cached
-                gained = store.drop_unanchored()
+                gained = store.drop_unanchored(target - store.available)
                 log.info("KVzap ragged mode: took back %d soft entries of running prompts not yet in the tree", gained)
             if store.available < target:
                 raise RuntimeError(f"ragged KV store: {target - store.available} entries short after reclaiming every "
