@@ -63,7 +63,8 @@ def report(doc: dict) -> str:
                                          else f"failed ({c['error']})") for name, c in probe["candidates"].items())
         overlap = {True: ", overlap scheduler on", False: ", overlap scheduler off"}.get(probe.get("overlap"), "")
         out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend{overlap}, the fastest on a probe stream "
-                f"({probe['probe']['requests']} requests × {probe['probe']['new_tokens']} new tokens): {found}.", ""]
+                f"({probe['probe']['requests']} requests × {probe['probe']['new_tokens']} new tokens"
+                f"{', radix cache on' if probe['probe'].get('radix_cache') else ''}): {found}.", ""]
     else:
         out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend (chosen on the command line).", ""]
     out += ["Medians over rounds [min–max]:", "",

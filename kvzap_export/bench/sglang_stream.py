@@ -146,15 +146,17 @@ class StreamBench:
                 "surrogate": {k: manifest["surrogate"].get(k) for k in ("variant", "source", "sha256")},
                 "pruning": manifest.get("pruning")}
 
-    def probe_dense(self, candidates: tuple[str, ...], on_event=None) -> dict:
+    def probe_dense(self, candidates: tuple[str, ...], on_event=None, radix: bool = False) -> dict:
         """Each dense backend, with SGLang's overlap scheduler off and on (its default, which ragged mode keeps),
-        serves the first 8 requests with 32 new tokens; the fastest setting is the baseline's."""
+        serves the first 8 requests with 32 new tokens, with the radix cache as the baseline runs it (``radix``: the
+        baseline is "dense, radix", and the 8 prompts share the workload's prefix); the fastest setting is the
+        baseline's."""
         found = {}
         for backend in candidates:
             for overlap in (False, True):
                 name = f"{backend}, overlap {'on' if overlap else 'off'}"
                 spec = self.spec("dense", backend=backend, requests=min(8, self.requests),
-                                 new_tokens=min(32, self.new_tokens), overlap=overlap)
+                                 new_tokens=min(32, self.new_tokens), overlap=overlap, radix=radix)
                 try:
                     figures = run_figures(run_stream(self.python, spec))
                     found[name] = {"backend": backend, "overlap": overlap, "tokens_per_s": figures["tokens_per_s"],
@@ -169,7 +171,7 @@ class StreamBench:
             raise RuntimeError(f"no dense attention backend ran: {found}")
         best = usable[max(usable, key=lambda b: usable[b]["tokens_per_s"])]
         return {"candidates": found, "chosen": best["backend"], "overlap": best["overlap"],
-                "probe": {"requests": min(8, self.requests), "new_tokens": min(32, self.new_tokens)}}
+                "probe": {"requests": min(8, self.requests), "new_tokens": min(32, self.new_tokens), "radix_cache": radix}}
 
 
 def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, prompt_tokens: int = 1024, new_tokens: int = 96,
@@ -179,8 +181,8 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     """Interleaved rounds of every configuration; returns the settings, each run's figures, the medians with
     spread per configuration and the comparisons with the baseline (``stream_figures.summarize`` / ``compare``)."""
     bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared)
-    dense = bench.probe_dense(dense_backends, on_event)
     baseline = baseline_of(configs)
+    dense = bench.probe_dense(dense_backends, on_event, radix=baseline == CONFIGS["dense-radix"][0])
     # (label, mode, threshold, attention backend, each request's custom_params kvzap, radix cache, cap on running);
     # the dense configurations take the probe's overlap setting, KVzap's SGLang's default (on)
     plan = []

@@ -57,6 +57,8 @@ def test_the_plan_turns_the_radix_cache_on_for_dense_radix_only_and_caps_after_t
                                      configs=("ragged-at-dense", "dense-radix", "ragged"), shared=8)
     probes, launched = launched[:2], launched[2:]  # the dense probe: the backend with the overlap scheduler off, on
     assert [spec["engine"].get("disable_overlap_schedule", True) for _, spec in probes] == [True, False]
+    # the baseline is "dense, radix": the probe runs with the radix cache on, as the baseline does
+    assert [spec["engine"]["disable_radix_cache"] for _, spec in probes] == [False, False]
     order = [label for label, _ in launched]
     assert order == ["dense, radix", "ragged", "ragged at dense's concurrency"] * 2
     # both probes ran at 1 token/s: the first (overlap off) is kept, and the dense runs take it
