@@ -9,7 +9,11 @@ device back.
   padded layout [B, H, W] (W: the longest row of this layer): one gather of the keys, one batched matrix product
   for the scores, a softmax masked by each row's length, and one ``embedding_bag`` that sums the value rows
   in place, weighted by the probabilities (values are never copied out of the pool; on this path the pool's
-  memory traffic is what costs). On CUDA tensors SGLang's own Triton decode kernel over the flattened rows
+  memory traffic is what costs). Where KVzap left the heads of a layer very unequal, padding every row to the
+  longest one reads entries nobody attends to (4,096-token prompts: 1.38x the entries held); ``row_groups`` then
+  splits the rows, sorted by length, into a few groups padded each to its own longest row, one call per group,
+  chosen by a cost model from the host lengths (one call costs about as much as gathering ``CALL_ENTRIES``
+  entries on this path). On CUDA tensors SGLang's own Triton decode kernel over the flattened rows
   (``flattened_attention``) where SGLang's kernel file is found (``sglang_kernels``), else our Triton kernel
   (``triton_ragged_attention``); both read keys and values in place, one launch per layer.
 - ``causal_extend_attention``: the prompts of an extend batch when nothing is cached before them (a fresh
@@ -62,14 +66,54 @@ def decode_kernel(device_type: str, masked: bool = False) -> str:
     return "triton" if triton_ragged_attention.triton is not None else "torch"
 
 
+CALL_ENTRIES = 2048  # one padded call's fixed cost on the CPU, in entries gathered (measured: ~170 us, ~80 ns/entry)
+MAX_GROUPS = 4
+
+
+def row_groups(lengths: list[int], most: int = MAX_GROUPS,
+               call_cost: int = CALL_ENTRIES) -> list[tuple[list[int], int]] | None:
+    """How to split one layer's rows (``lengths``: each (request, KV head) row's entries, host ints, in row order)
+    into groups padded each to its own longest row: [(row indices, width), ...], or None where one padded call
+    costs least. Rows sorted by length are cut into 2 to ``most`` runs of equal count; a split costs its padded
+    entries plus ``call_cost`` entries per call."""
+    n = len(lengths)
+    if n < 2:
+        return None
+    order = sorted(range(n), key=lengths.__getitem__)
+    ranked = [lengths[i] for i in order]
+    best, best_cost = 1, n * ranked[-1] + call_cost
+    for k in range(2, min(most, n) + 1):
+        cuts = [n * i // k for i in range(k + 1)]
+        cost = sum((cuts[i + 1] - cuts[i]) * ranked[cuts[i + 1] - 1] for i in range(k)) + k * call_cost
+        if cost < best_cost:
+            best, best_cost = k, cost
+    if best == 1:
+        return None
+    cuts = [n * i // best for i in range(best + 1)]
+    return [(order[cuts[i]:cuts[i + 1]], ranked[cuts[i + 1] - 1]) for i in range(best)]
+
+
+def layer_groups(per_layer: list[list[int]], device=None) -> list[list[tuple[torch.Tensor, int]] | None]:
+    """``row_groups`` for each layer's row lengths, the rows as int64 tensors on ``device`` (``decode_attention``'s
+    ``groups``)."""
+    out = []
+    for lengths in per_layer:
+        split = row_groups(lengths)
+        out.append(None if split is None else [(torch.tensor(r, dtype=torch.int64, device=device), w) for r, w in split])
+    return out
+
+
 def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
                      lengths: torch.Tensor, scale: float, workspace: torch.Tensor | None = None,
-                     visible: torch.Tensor | None = None) -> torch.Tensor:
+                     visible: torch.Tensor | None = None,
+                     groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
     """q [B, q_heads, D]; k_store [E, D], v_store [E, Dv] (contiguous); ids int32/int64 [B, kv_heads, W] (padding:
     any valid id); lengths int [B, kv_heads]. Returns [B, q_heads, Dv] in q's dtype. ``workspace``: a flat tensor of
     the stores' dtype the key gather may reuse (at least B * kv_heads * W * D elements; a fresh allocation of
     that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
-    besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only."""
+    besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only.
+    ``groups``: ``row_groups``' split with each group's rows (b * kv_heads + h) as an int64 tensor on q's device;
+    each width at least its rows' lengths; torch path only (the other paths do not pad)."""
     group = query_group(q, k_store, v_store, ids)
     kernel = decode_kernel(q.device.type, visible is not None)
     if kernel == "sglang-flattened":
@@ -84,17 +128,36 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     H, W = ids.shape[1], ids.shape[2]
     if W == 0:
         return q.new_zeros(B, Hq, v_store.shape[-1])
-    rows = B * H
+    q_rows, id_rows, len_rows = q.reshape(B * H, group, D), ids.reshape(B * H, W), lengths.reshape(B * H)
+    seen = None if visible is None else visible.reshape(B * H, W)
+    if groups is None:
+        return _padded_decode(q_rows, k_store, v_store, id_rows, len_rows, scale, workspace, seen).view(B, Hq, -1)
+    out = q.new_empty(B * H, group, v_store.shape[-1])
+    for rows, width in groups:
+        out[rows] = _padded_decode(q_rows[rows], k_store, v_store, id_rows[rows, :width], len_rows[rows], scale,
+                                   workspace, None if seen is None else seen[rows, :width])
+    return out.view(B, Hq, -1)
+
+
+def _padded_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, ids: torch.Tensor,
+                   lengths: torch.Tensor, scale: float, workspace: torch.Tensor | None,
+                   visible: torch.Tensor | None) -> torch.Tensor:
+    """The torch path over rows padded to one width: q [rows, group, D], ids [rows, W], lengths [rows], visible
+    [rows, W] or None. Returns [rows, group, Dv] in q's dtype."""
+    rows, group, D = q.shape
+    W = ids.shape[1]
+    if W == 0:
+        return q.new_zeros(rows, group, v_store.shape[-1])
     flat = ids.reshape(-1)
     if workspace is not None and workspace.numel() >= flat.shape[0] * D:
         keys = torch.index_select(k_store, 0, flat, out=workspace[: flat.shape[0] * D].view(-1, D))
     else:
         keys = k_store.index_select(0, flat)
     # Scores and softmax in float32 (as the formula): in bf16 a score near 20 is rounded by 0.125
-    scores = torch.bmm(q.reshape(rows, group, D).float(), keys.view(rows, W, D).float().transpose(1, 2))  # [BH, G, W]
-    held = torch.arange(W, device=q.device) < lengths.reshape(rows, 1)  # [BH, W] (lengths on q's device)
+    scores = torch.bmm(q.float(), keys.view(rows, W, D).float().transpose(1, 2))  # [rows, G, W]
+    held = torch.arange(W, device=q.device) < lengths.reshape(rows, 1)  # [rows, W] (lengths on q's device)
     if visible is not None:
-        held = held & visible.reshape(rows, W)
+        held = held & visible
     scores.mul_(scale).masked_fill_(~held[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     bags = flat.view(rows, 1, W).expand(rows, group, W).reshape(-1)  # one bag of W entries per query head
@@ -102,7 +165,7 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     out = F.embedding_bag(bags, v_store, offsets, mode="sum", per_sample_weights=weights.reshape(-1).to(v_store.dtype))
     nonempty = held.any(-1, keepdim=True) if visible is not None else held[:, :1]
     out = torch.where(nonempty.repeat_interleave(group, 0), out, 0.0)  # a head that holds nothing: zeros
-    return out.view(B, Hq, -1).to(q.dtype)
+    return out.view(rows, group, -1).to(q.dtype)
 
 
 def token_positions(lens: list[int], device=None) -> torch.Tensor | None:

@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvzap_export.kernels.ragged_attention import (causal_extend_attention, decode_attention, prefix_extend_attention,
-                                                    ragged_decode_attention)
+from kvzap_export.kernels.ragged_attention import (CALL_ENTRIES, MAX_GROUPS, causal_extend_attention, decode_attention,
+                                                    layer_groups, prefix_extend_attention, ragged_decode_attention,
+                                                    row_groups)
 
 
 def loop_reference(q, k_store, v_store, rows, scale):
@@ -114,6 +115,38 @@ def test_batched_decode_path_equals_head_by_head_attention(case):
     assert torch.equal(out, reused)  # int32 ids and a reused (dirty) workspace change nothing
     for b in range(q.shape[0]):
         assert torch.allclose(out[b].double(), loop_reference(q[b], k_store, v_store, rows[b], scale), atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(decode_case(), st.integers(2, 4))
+def test_decode_rows_grouped_by_length_equal_head_by_head_attention(case, most):
+    """The torch path with its rows split into groups padded each to its own width (``row_groups``, forced to split:
+    no cost per call), each group through a workspace another group used before."""
+    q, k_store, v_store, ids, lengths, rows = build(case)
+    scale = 1 / math.sqrt(q.shape[-1])
+    split = row_groups(lengths.reshape(-1).tolist(), most=most, call_cost=0)
+    if split is None:  # one row, or every row as long: nothing to split
+        assert len(set(lengths.reshape(-1).tolist())) == 1 or lengths.numel() == 1
+        return
+    assert sorted(r for group, _ in split for r in group) == list(range(lengths.numel()))  # each row once
+    assert all(width == max(lengths.reshape(-1)[group].tolist()) for group, width in split)
+    groups = [(torch.tensor(group), width) for group, width in split]
+    out = decode_attention(q, k_store, v_store, ids.clamp(min=0), lengths, scale, groups=groups,
+                           workspace=torch.full((ids.numel() * q.shape[-1],), float("nan")))
+    for b in range(q.shape[0]):
+        assert torch.allclose(out[b].double(), loop_reference(q[b], k_store, v_store, rows[b], scale), atol=1e-5)
+
+
+def test_row_groups_split_only_where_padding_costs_more_than_a_call():
+    assert row_groups([4000] * 45) is None  # KVzap off: every row as long
+    assert row_groups([10, 20, 30, 40]) is None  # short rows: one call is cheaper than the padding it saves
+    skewed = [150, 4000, 600, 3900, 500, 4096] * 5  # a layer's heads as KVzap leaves them at 4k tokens
+    split = row_groups(skewed)
+    assert split is not None and 2 <= len(split) <= MAX_GROUPS
+    padded = sum(len(group) * width for group, width in split) + len(split) * CALL_ENTRIES
+    assert padded < len(skewed) * max(skewed) + CALL_ENTRIES
+    assert [width for _, width in split] == sorted(width for _, width in split)
+    assert layer_groups([[4000] * 6, skewed])[0] is None and len(layer_groups([skewed])[0]) == len(split)
 
 
 def causal_loop(q, k, v, lens, prefixes, scale):

@@ -56,7 +56,8 @@ class Step:
     order; widths: per layer, the longest row (host); lengths: int32 [B, L, H]; fresh: no request held anything
     before (every extend of a new prompt); prefix_widths / prefix_agree: per layer, the longest held prefix and
     whether every head of each request holds as many (extend over held entries only); where: the tokens'
-    positions in the padded extend layout (None when the prompts have one length).
+    positions in the padded extend layout (None when the prompts have one length); groups: per layer, the torch
+    decode path's rows split by length (``ragged_attention.row_groups``; None: one padded call), CPU decode only.
     """
 
     rows: list[int]
@@ -70,6 +71,7 @@ class Step:
     prefix_widths: list[int]
     prefix_agree: list[bool]
     where: torch.Tensor | None
+    groups: list | None = None
 
 
 class StoreRows:
@@ -127,9 +129,15 @@ class StoreRows:
 
 def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: torch.Tensor, extend: bool) -> Step:
     """The batch view of one forward from host bookkeeping."""
-    from kvzap_export.kernels.ragged_attention import token_positions
+    from kvzap_export.kernels.ragged_attention import layer_groups, token_positions
 
-    widths = store.widths(rows)
+    groups = None
+    if not extend and store.device.type == "cpu" and rows:  # the torch decode path: rows grouped by length
+        held = store.lengths_host[store.slots_host(rows)]  # [B, L, H]: one read for every layer
+        per_layer = held.transpose(0, 1).reshape(held.shape[1], -1).tolist()
+        widths, groups = [max(lengths) for lengths in per_layer], layer_groups(per_layer)
+    else:
+        widths = store.widths(rows)
     slots = store.slots(rows)
     fresh = extend and all(store.logical.get(r, 0) == n for r, n in zip(rows, counts))
     prefix_widths, prefix_agree = [], []
@@ -139,7 +147,8 @@ def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: 
         prefix_agree = (held.amax(-1) == held.amin(-1)).all(0).tolist()
     return Step(rows, slots, counts, torch.tensor(counts, dtype=torch.int64).to(store.device), new_ids, widths,
                 store.lengths[slots], fresh, prefix_widths, prefix_agree,
-                token_positions(counts, store.device) if extend else None)
+                token_positions(counts, store.device) if extend else None, groups)
+
 
 
 class RaggedKVzapSGLang(KVzapSGLang):
@@ -374,7 +383,7 @@ def backend_class():
                 return self.decode_buffers.attend(lid, q3, layer.scaling, out).reshape(-1, hq * dv)
             ids = self.store.layer_ids(step.slots, lid, step.widths[lid])
             out = decode_attention(q.reshape(-1, hq, d), self.store.k, self.store.v, ids, step.lengths[:, lid],
-                                   layer.scaling, self.workspace)
+                                   layer.scaling, self.workspace, groups=step.groups[lid] if step.groups else None)
             return out.reshape(-1, hq * dv)
 
     return KVzapRaggedAttnBackend
