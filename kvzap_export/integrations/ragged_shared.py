@@ -183,16 +183,9 @@ class SharedRaggedStore(RaggedStore):
         so the engine will not cache those tokens; rows whose records hold no soft entry keep them. Reads the device
         once (the soft entries per row). Returns the entries freed."""
         rows = list(self.unanchored)
-        if not rows:
-            return 0
-        slots = [self.unanchored[r][1] for r in rows]
-        soft = self.soft_per_slot(torch.cat(slots)).split([int(s.numel()) for s in slots])
-        chosen, gained = [], 0
-        for n, row in sorted(((int(s.sum()), r) for s, r in zip(soft, rows)), key=lambda x: -x[0]):
-            if n == 0 or (short is not None and gained >= short):
-                break
-            chosen.append(row)
-            gained += n
+        soft = self.soft_per_group([self.unanchored[r][1] for r in rows])
+        picked, _ = take_soft(soft, sorted(range(len(rows)), key=lambda i: -soft[i]), short)
+        chosen = [rows[i] for i in picked]
         if not chosen:
             return 0
         freed = self.drop_records(torch.cat([self.unanchored[r][1] for r in chosen]))
@@ -200,6 +193,16 @@ class SharedRaggedStore(RaggedStore):
             self.dense_len[row] = self.unanchored.pop(row)[0]
         self.dropped_prompts += len(chosen)
         return freed
+
+    def soft_per_group(self, groups: list[torch.Tensor]) -> list[int]:
+        """For each group of slots, the entries of their records no row holds (``soft_per_slot`` summed), in one read
+        of the device."""
+        if not groups:
+            return []
+        sizes = torch.tensor([int(g.numel()) for g in groups])
+        owner = torch.repeat_interleave(torch.arange(len(groups)), sizes)
+        soft = self.soft_per_slot(torch.cat(groups))
+        return torch.zeros(len(groups), dtype=torch.int64).index_add_(0, owner, soft).tolist()
 
     def soft_per_slot(self, slots: torch.Tensor) -> torch.Tensor:
         """int64 [n] on the host: for each slot, the entries of its record no row holds (0 without a record)."""
@@ -239,3 +242,16 @@ class SharedRaggedStore(RaggedStore):
     def clear_records(self) -> None:
         """The engine let go of every slot (a cache flush)."""
         self.drop_records(torch.nonzero(self.slot_has).reshape(-1))
+
+
+def take_soft(soft: list[int], order, need: int | None) -> tuple[list[int], int]:
+    """What a reclaim takes: the indices of ``soft`` (entries each group's records would free), in ``order``, that free
+    anything, until they free ``need`` entries (None: all of them). Returns (indices, entries they free)."""
+    chosen, gained = [], 0
+    for i in order:
+        if need is not None and gained >= need:
+            break
+        if soft[i]:
+            chosen.append(i)
+            gained += soft[i]
+    return chosen, gained

@@ -71,11 +71,12 @@ MAX_GROUPS = 4
 
 
 def row_groups(lengths: list[int], most: int = MAX_GROUPS,
-               call_cost: int = CALL_ENTRIES) -> list[tuple[list[int], int]] | None:
+               call_cost: int | None = None) -> list[tuple[list[int], int]] | None:
     """How to split one layer's rows (``lengths``: each (request, KV head) row's entries, host ints, in row order)
-    into groups padded each to its own longest row: [(row indices, width), ...], or None where one padded call
-    costs least. Rows sorted by length are cut into 2 to ``most`` runs of equal count; a split costs its padded
-    entries plus ``call_cost`` entries per call."""
+    into groups padded each to its own longest row: [(row indices, width), ...] (every row in exactly one group),
+    or None where one padded call costs least. Rows sorted by length are cut into 2 to ``most`` runs of equal
+    count; a split costs its padded entries plus ``call_cost`` (default ``CALL_ENTRIES``) entries per call."""
+    call_cost = CALL_ENTRIES if call_cost is None else call_cost
     n = len(lengths)
     if n < 2:
         return None
@@ -93,12 +94,13 @@ def row_groups(lengths: list[int], most: int = MAX_GROUPS,
     return [(order[cuts[i]:cuts[i + 1]], ranked[cuts[i + 1] - 1]) for i in range(best)]
 
 
-def layer_groups(per_layer: list[list[int]], device=None) -> list[list[tuple[torch.Tensor, int]] | None]:
+def layer_groups(per_layer: list[list[int]], device=None, most: int = MAX_GROUPS,
+                 call_cost: int | None = None) -> list[list[tuple[torch.Tensor, int]] | None]:
     """``row_groups`` for each layer's row lengths, the rows as int64 tensors on ``device`` (``decode_attention``'s
     ``groups``)."""
     out = []
     for lengths in per_layer:
-        split = row_groups(lengths)
+        split = row_groups(lengths, most, call_cost)
         out.append(None if split is None else [(torch.tensor(r, dtype=torch.int64, device=device), w) for r, w in split])
     return out
 
@@ -112,8 +114,9 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     the stores' dtype the key gather may reuse (at least B * kv_heads * W * D elements; a fresh allocation of
     that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
     besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only.
-    ``groups``: ``row_groups``' split with each group's rows (b * kv_heads + h) as an int64 tensor on q's device;
-    each width at least its rows' lengths; torch path only (the other paths do not pad)."""
+    ``groups``: ``layer_groups``' split: groups of rows (b * kv_heads + h, an int64 tensor on q's device) that
+    partition all B * kv_heads rows, each with a width at least its rows' lengths; torch path only (the other paths
+    do not pad)."""
     group = query_group(q, k_store, v_store, ids)
     kernel = decode_kernel(q.device.type, visible is not None)
     if kernel == "sglang-flattened":
@@ -134,8 +137,8 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
         return _padded_decode(q_rows, k_store, v_store, id_rows, len_rows, scale, workspace, seen).view(B, Hq, -1)
     out = q.new_empty(B * H, group, v_store.shape[-1])
     for rows, width in groups:
-        out[rows] = _padded_decode(q_rows[rows], k_store, v_store, id_rows[rows, :width], len_rows[rows], scale,
-                                   workspace, None if seen is None else seen[rows, :width])
+        out.index_copy_(0, rows, _padded_decode(q_rows[rows], k_store, v_store, id_rows[rows, :width], len_rows[rows],
+                                                scale, workspace, None if seen is None else seen[rows, :width]))
     return out.view(B, Hq, -1)
 
 

@@ -22,8 +22,9 @@ def test_the_counter_sees_every_kind_of_read():
     assert mode.count == 7
 
 
-def one_decode_step(layers: int, requests: int) -> int:
-    """Prompts of different lengths decided, then one decode step; returns the reads that step made."""
+def one_decode_step(layers: int, requests: int, grouped: list | None = None) -> int:
+    """Prompts of different lengths decided, then one decode step; returns the reads that step made. ``grouped``: a
+    list to append each layer's (output, output without the step's row groups, groups) to."""
     from kvzap_export.integrations.sglang.ragged import StoreRows, build_step
 
     heads, dim, group = 2, 8, 2
@@ -47,7 +48,10 @@ def one_decode_step(layers: int, requests: int) -> int:
             store.v.index_copy_(0, ids, torch.randn(ids.shape[0], dim, generator=g))
             store.scores.index_copy_(0, ids, torch.randn(ids.shape[0], generator=g))
             ids = store.layer_ids(step.slots, layer, step.widths[layer])
-            decode_attention(q, store.k, store.v, ids, step.lengths[:, layer], 0.3)
+            groups = step.groups[layer] if step.groups else None
+            out = decode_attention(q, store.k, store.v, ids, step.lengths[:, layer], 0.3, groups=groups)
+            if grouped is not None:
+                grouped.append((out, decode_attention(q, store.k, store.v, ids, step.lengths[:, layer], 0.3), groups))
         store.decide_decode(rows, 0.0, window=4)
     return mode.count
 
@@ -56,3 +60,17 @@ def test_a_ragged_decode_step_reads_a_constant_number_of_values():
     counts = {(layers, requests): one_decode_step(layers, requests) for layers in (1, 4, 9) for requests in (1, 3, 8)}
     assert len(set(counts.values())) == 1, counts
     assert next(iter(counts.values())) <= 9  # a handful per step: the host mirror's widths, the decisions' lengths
+
+
+def test_a_decode_step_with_rows_grouped_by_length_attends_as_one_padded_call(monkeypatch):
+    """The step's row groups (``build_step`` from the host mirror, forced to split: no cost per call) give each layer
+    the attention of one padded call, with no more reads than a step without groups."""
+    from kvzap_export.kernels import ragged_attention
+
+    plain = one_decode_step(4, 8)
+    monkeypatch.setattr(ragged_attention, "CALL_ENTRIES", 0)
+    layers = []
+    assert one_decode_step(4, 8, layers) == plain
+    assert any(groups is not None for _, _, groups in layers)  # the decided rows are of unequal lengths
+    for out, padded, _ in layers:
+        assert torch.allclose(out, padded, atol=1e-6)

@@ -25,8 +25,10 @@ prompt tokens SGLang took from its radix cache (SGLang's ``meta_info``; 0 with t
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -101,8 +103,11 @@ def skip_other_models(model: str) -> None:
 
 
 def _launch(spec: dict):
-    """(engine, readings path, launch seconds) with the plugin configured for ``spec["mode"]``."""
-    stats = Path(tempfile.mkdtemp(prefix="kvzap-sglang-")) / "readings.jsonl"
+    """(engine, readings path, launch seconds) with the plugin configured for ``spec["mode"]``. The readings' folder
+    is removed when this process exits (a launch's readings run to megabytes)."""
+    folder = tempfile.mkdtemp(prefix="kvzap-sglang-")
+    atexit.register(shutil.rmtree, folder, True)
+    stats = Path(folder) / "readings.jsonl"
     os.environ["KVZAP_STATS"] = str(stats)
     if spec["mode"] == "dense":
         os.environ.pop("KVZAP_BUNDLE", None)

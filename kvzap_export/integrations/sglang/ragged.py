@@ -135,7 +135,7 @@ def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: 
     if not extend and store.device.type == "cpu" and rows:  # the torch decode path: rows grouped by length
         held = store.lengths_host[store.slots_host(rows)]  # [B, L, H]: one read for every layer
         per_layer = held.transpose(0, 1).reshape(held.shape[1], -1).tolist()
-        widths, groups = [max(lengths) for lengths in per_layer], layer_groups(per_layer)
+        widths, groups = [max(lengths) for lengths in per_layer], layer_groups(per_layer, store.device)
     else:
         widths = store.widths(rows)
     slots = store.slots(rows)

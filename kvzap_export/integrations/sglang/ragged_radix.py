@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore, take_soft
 from kvzap_export.integrations.sglang.api import sglang_module
 
 log = logging.getLogger(__name__)
@@ -184,16 +184,9 @@ def radix_cache_class():
             locked = sorted((n for n in self._nodes() if n.lock_ref > 0 and n not in self._broken),
                             key=lambda n: n.last_access_time)
             if locked:  # one read of the device for all of them, one release of the chosen nodes' records
-                soft = store.soft_per_slot(torch.cat([n.value for n in locked])).tolist()
-                chosen, gained, start = [], 0, 0
-                for node in locked:
-                    node_soft = sum(soft[start:start + len(node.value)])
-                    start += len(node.value)
-                    if node_soft:
-                        chosen.append(node)
-                        gained += node_soft
-                        if store.available + gained >= target:
-                            break
+                soft = store.soft_per_group([n.value for n in locked])
+                picked, gained = take_soft(soft, range(len(locked)), target - store.available)
+                chosen = [locked[i] for i in picked]
                 store.drop_records(torch.cat([n.value for n in chosen]) if chosen else locked[0].value[:0])
                 self._broken.update(chosen)
                 store.reclaimed_nodes += len(chosen)

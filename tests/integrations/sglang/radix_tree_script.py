@@ -25,12 +25,18 @@ def key(ids):
     return RadixKey(token_ids=array("q", ids))
 
 
-def main() -> dict:
+def pool():
+    """A store, SGLang's allocator over it and KVzap's tree, wired as the ragged mode wires them."""
     store = SharedRaggedStore(TOKENS * PER, L, H, D, rows=2, width=8, slots=TOKENS + 1)
     allocator = allocator_class()(TOKENS, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False)
     allocator.store, allocator.entries_per_token, allocator.dense_tokens = store, PER, TOKENS
     tree = radix_cache_class()(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                                                page_size=1))
+    return store, allocator, tree
+
+
+def main() -> dict:
+    store, allocator, tree = pool()
     out = {"idle_start": allocator.available_size() + tree.evictable_size()}
 
     # request A: a 10-token prompt, prefilled densely, recorded, decided (tokens 2..5 evicted), cached, locked
@@ -96,6 +102,37 @@ def main() -> dict:
     tree.evict(EvictParams(num_tokens=TOKENS))
     out["free_after_evict"], out["capacity"] = store.available, store.capacity
     out["tokens"] = TOKENS
+    out["unanchored"] = not_in_the_tree_yet()
+    return out
+
+
+def not_in_the_tree_yet() -> dict:
+    """The reclaim's last stage, as the overlap scheduler needs it: prompts E and F prefilled, recorded and decided by
+    a step end, not inserted into the tree yet (SGLang does that a step later, after it prepared the next batch), and
+    nothing in the tree to evict or break. The store runs short by one token's entries: the reclaim ends the records
+    of E (the prompt with more soft entries) only, and frees no entry a row holds."""
+    store, allocator, tree = pool()
+    slots, held = [], []
+    for row, evicted in ((0, [2, 3, 4, 5]), (1, [3])):  # E evicts 4 tokens, F 1
+        slots.append(allocator.alloc(10))
+        ids = store.append([row], [10])
+        store.scores[ids.reshape(-1)] = 5.0
+        store.scores[ids[:, :, evicted].reshape(-1)] = -9.0
+        store.record([row], [10], slots[-1], ids)
+        store.decide_prefill([row], threshold=0.0, window=2)
+    held = torch.cat([store.row_entries(r, layer, head) for r in (0, 1) for layer in range(L) for head in range(H)])
+    out = {"soft_before": store.soft, "rows_before": sorted(store.unanchored), "evictable": tree.evictable_size()}
+    free_before = store.available
+    store.reclaimer(PER)
+    free = set(store._free[: store.available].tolist())
+    out.update(freed=store.available - free_before, dropped_prompts=store.dropped_prompts,
+               rows_after=sorted(store.unanchored), dense_len=[store.dense_len[0], store.dense_len[1]],
+               soft_after=store.soft, row_entries_freed_early=len(free & set(held.tolist())),
+               reclaimed_nodes=store.reclaimed_nodes)
+    for row, row_slots in zip((0, 1), slots):  # both requests end uncached: every entry comes back
+        store.release(row)
+        allocator.free(row_slots)
+    out["free_at_end"], out["capacity"] = store.available, store.capacity
     return out
 
 

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 PROMPTS, NEW_TOKENS = 3, 24
 SHORT_TOKENS = 12  # the two slowest decode paths (Triton's interpreter, eager flex attention) compare fewer tokens
 ENTRIES_PER_TOKEN = {"smollm2": 30 * 3, "qwen3": 4 * 2}  # layers x KV heads
+PER_TOKEN = 2 * 2  # radix_tree_script.py's layers x KV heads
 
 
 def _bundle(root, model_dir, model, **options):
@@ -314,7 +315,18 @@ def test_ragged_mode_shares_prompts_exactly_in_a_pool_its_tree_must_make_room_in
     assert max(r["cached_tokens"] or 0 for r in out["stream"]) > 0
 
 
-def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees_nothing_they_hold():
+@pytest.fixture(scope="module")
+def radix_tree_run() -> dict:
+    """``radix_tree_script.py``'s readings, run once in the SGLang environment."""
+    from tests.conftest import sglang_python
+
+    done = subprocess.run([sglang_python(), str(Path(__file__).with_name("radix_tree_script.py"))], capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees_nothing_they_hold(radix_tree_run):
     """KVzap's radix tree (SGLang's ``RadixCache`` subclassed) driven step by step as the scheduler drives it, in the
     SGLang environment (``radix_tree_script.py``): request A's prompt cached and locked; B's admission locks A's first
     8 tokens (the soft entries it will adopt stop being room), B's row adopts them whole (A's evicted tokens
@@ -322,12 +334,7 @@ def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees
     node while A and B still run: no entry either row holds is freed (every free entry then overwritten, the rows'
     K unchanged), a new match stops before the broken node, which is cut once A and B end; at idle SGLang's
     available + evictable is the pool, and after SGLang's eviction every entry is free."""
-    from tests.conftest import sglang_python
-
-    done = subprocess.run([sglang_python(), str(Path(__file__).with_name("radix_tree_script.py"))], capture_output=True,
-                          text=True, timeout=600, env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = radix_tree_run
     assert out["idle_start"] == out["tokens"] and out["soft_after_a"] == 16
     assert out["room_lost_at_admission"] == 4 and out["room_lost_at_second_admission"] == 4
     assert out["b_prefix"] == 8 and out["b_holds_a_evicted_tokens"]
@@ -335,6 +342,19 @@ def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees
     assert out["c_prefix_after_break"] == 0
     assert out["idle_after"] == out["tokens"] and out["cached_entries"] == 0 and out["tree_tokens"] == 0
     assert out["free_after_evict"] == out["capacity"]
+
+
+def test_the_tree_reclaim_ends_records_of_prompts_not_in_it_yet_and_frees_nothing_rows_hold(radix_tree_run):
+    """The reclaim's last stage (the overlap scheduler inserts a prompt into the tree a step after KVzap recorded it):
+    with nothing in the tree, a store one token short drops the records of the prompt with the most soft entries
+    (E: 4 tokens evicted, against F's 1), only that one; its recorded length falls back (the tree will not cache it),
+    F's stays; no entry a row holds is freed, and every entry comes back when both end."""
+    out = radix_tree_run["unanchored"]
+    assert out["evictable"] == 0 and out["rows_before"] == [0, 1] and out["soft_before"] == 5 * PER_TOKEN
+    assert out["freed"] == 4 * PER_TOKEN and out["dropped_prompts"] == 1 and out["reclaimed_nodes"] == 0
+    assert out["rows_after"] == [1] and out["dense_len"] == [0, 10] and out["soft_after"] == PER_TOKEN
+    assert out["row_entries_freed_early"] == 0
+    assert out["free_at_end"] == out["capacity"]
 
 
 def decode_host_reads(out: dict) -> tuple[set, int]:
