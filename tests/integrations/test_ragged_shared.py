@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore, take_soft
 
 L, H, D = 2, 2, 4
 
@@ -160,3 +160,11 @@ def test_records_the_prefix_cache_has_not_taken_yet_can_be_dropped_and_are_not_c
     assert not store.unanchored and store.drop_unanchored() == 0 and store.dense_len[0] == 6
     store.release(0)
     accounted(store)
+
+
+def test_a_reclaim_takes_groups_that_free_something_in_its_order_until_it_has_enough():
+    soft = [0, 5, 0, 3, 2]
+    assert take_soft(soft, range(5), None) == ([1, 3, 4], 10)  # None: every group that frees anything
+    assert take_soft(soft, range(5), 6) == ([1, 3], 8)  # stops once enough: the last pick may overshoot
+    assert take_soft(soft, [4, 3, 1], 4) == ([4, 3], 5)  # the caller's order (least recently used, most soft first)
+    assert take_soft(soft, range(5), 0) == ([], 0) and take_soft([], [], None) == ([], 0)

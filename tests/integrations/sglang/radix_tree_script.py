@@ -94,8 +94,8 @@ def main() -> dict:
     # A finishes, then B: the broken node is cut once no request locks it; SGLang's eviction empties the rest
     store.release(0)
     tree.unlock(lock_a)
+    allocator.free(slots_b)  # SGLang's order (release_kv_cache): the slots, then the row
     store.release(1)
-    allocator.free(slots_b)
     tree.unlock(lock_b)
     out["idle_after"] = allocator.available_size() + tree.evictable_size()
     out["cached_entries"], out["tree_tokens"] = store.soft, tree.evictable_size()
@@ -107,13 +107,14 @@ def main() -> dict:
 
 
 def not_in_the_tree_yet() -> dict:
-    """The reclaim's last stage, as the overlap scheduler needs it: prompts E and F prefilled, recorded and decided by
-    a step end, not inserted into the tree yet (SGLang does that a step later, after it prepared the next batch), and
-    nothing in the tree to evict or break. The store runs short by one token's entries: the reclaim ends the records
-    of E (the prompt with more soft entries) only, and frees no entry a row holds."""
+    """The reclaim's last stage, as the overlap scheduler needs it: prompts E (row 0) and F (row 1) prefilled,
+    recorded and decided by a step end, not inserted into the tree yet (SGLang does that a step later, after it
+    prepared the next batch), and nothing in the tree to evict or break. A 21-token prompt then needs one token's
+    entries more than are free: its allocation's reclaim ends the records of F (the prompt with more soft entries)
+    only, and frees no entry a row holds."""
     store, allocator, tree = pool()
-    slots, held = [], []
-    for row, evicted in ((0, [2, 3, 4, 5]), (1, [3])):  # E evicts 4 tokens, F 1
+    slots = []
+    for row, evicted in ((0, [3]), (1, [2, 3, 4, 5])):  # E evicts 1 token, F 4
         slots.append(allocator.alloc(10))
         ids = store.append([row], [10])
         store.scores[ids.reshape(-1)] = 5.0
@@ -121,17 +122,19 @@ def not_in_the_tree_yet() -> dict:
         store.record([row], [10], slots[-1], ids)
         store.decide_prefill([row], threshold=0.0, window=2)
     held = torch.cat([store.row_entries(r, layer, head) for r in (0, 1) for layer in range(L) for head in range(H)])
-    out = {"soft_before": store.soft, "rows_before": sorted(store.unanchored), "evictable": tree.evictable_size()}
+    out = {"soft_before": store.soft, "rows_before": sorted(store.unanchored), "evictable": tree.evictable_size(),
+           "short": 21 * PER - store.available}
     free_before = store.available
-    store.reclaimer(PER)
+    store.append([2], [21])  # not recorded: only its row holds these entries
     free = set(store._free[: store.available].tolist())
-    out.update(freed=store.available - free_before, dropped_prompts=store.dropped_prompts,
+    out.update(freed=store.available + 21 * PER - free_before, dropped_prompts=store.dropped_prompts,
                rows_after=sorted(store.unanchored), dense_len=[store.dense_len[0], store.dense_len[1]],
                soft_after=store.soft, row_entries_freed_early=len(free & set(held.tolist())),
                reclaimed_nodes=store.reclaimed_nodes)
-    for row, row_slots in zip((0, 1), slots):  # both requests end uncached: every entry comes back
-        store.release(row)
+    store.release(2)
+    for row, row_slots in zip((0, 1), slots):  # both end uncached, in SGLang's order: the slots, then the row
         allocator.free(row_slots)
+        store.release(row)
     out["free_at_end"], out["capacity"] = store.available, store.capacity
     return out
 

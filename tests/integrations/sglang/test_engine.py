@@ -346,13 +346,14 @@ def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees
 
 def test_the_tree_reclaim_ends_records_of_prompts_not_in_it_yet_and_frees_nothing_rows_hold(radix_tree_run):
     """The reclaim's last stage (the overlap scheduler inserts a prompt into the tree a step after KVzap recorded it):
-    with nothing in the tree, a store one token short drops the records of the prompt with the most soft entries
-    (E: 4 tokens evicted, against F's 1), only that one; its recorded length falls back (the tree will not cache it),
-    F's stays; no entry a row holds is freed, and every entry comes back when both end."""
+    with nothing in the tree, an allocation one token's entries short drops the records of the prompt with the most
+    soft entries (F, row 1: 4 tokens evicted, against E's 1), only that one; its recorded length falls back (the tree
+    will not cache it), E's stays; no entry a row holds is freed, and every entry comes back when all end."""
     out = radix_tree_run["unanchored"]
     assert out["evictable"] == 0 and out["rows_before"] == [0, 1] and out["soft_before"] == 5 * PER_TOKEN
+    assert out["short"] == PER_TOKEN  # the allocation needs one token's entries more than are free
     assert out["freed"] == 4 * PER_TOKEN and out["dropped_prompts"] == 1 and out["reclaimed_nodes"] == 0
-    assert out["rows_after"] == [1] and out["dense_len"] == [0, 10] and out["soft_after"] == PER_TOKEN
+    assert out["rows_after"] == [0] and out["dense_len"] == [10, 0] and out["soft_after"] == PER_TOKEN
     assert out["row_entries_freed_early"] == 0
     assert out["free_at_end"] == out["capacity"]
 
