@@ -150,7 +150,6 @@ def build_step(store: RaggedStore, rows: list[int], counts: list[int], new_ids: 
                 token_positions(counts, store.device) if extend else None, groups)
 
 
-
 class RaggedKVzapSGLang(KVzapSGLang):
     """The runtime of the ragged mode: scores go to the store next to each entry; the step end decides for the
     whole batch in the store."""
