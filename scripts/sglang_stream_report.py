@@ -67,6 +67,9 @@ def report(doc: dict) -> str:
                 f"{', radix cache on' if probe['probe'].get('radix_cache') else ''}): {found}.", ""]
     else:
         out += [f"Dense baseline: SGLang's `{probe['chosen']}` attention backend (chosen on the command line).", ""]
+    if "kvzap_overlap" in settings:  # documents before --kvzap-overlap: on (the per-run table shows each run's)
+        out += [f"KVzap's configurations: SGLang's overlap scheduler {'on' if settings['kvzap_overlap'] else 'off'} "
+                f"(`--kvzap-overlap`).", ""]
     out += ["Medians over rounds [min–max]:", "",
             table(["figure", *labels], [[name, *[spread(summary[label][key], digits) for label in labels]]
                                         for name, key, digits in SCALARS if key in summary[labels[0]]]), ""]

@@ -10,7 +10,9 @@ spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on th
 attention backend, with SGLang's overlap scheduler off and on, serves a short probe stream first, and the fastest is
 the baseline's; with prompts that share a prefix, the baseline is dense with SGLang's radix cache on ("dense, radix":
 the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run with SGLang's overlap
-scheduler on (its default) and the radix cache as the configuration says ("ragged, radix":
+scheduler on (its default; ``kvzap_overlap=False``: off, which on a CPU engine gains nothing and lets a prefill batch
+that is formed while the previous one runs hit that batch's prefix in the radix cache) and the radix cache as the
+configuration says ("ragged, radix":
 prompts' per-head entries shared exactly, docs/ragged-kv.md). "Ragged, KVzap off" is
 the ragged mode's storage and attention with every request asking for KVzap off: it holds every entry, as dense
 does, so what it gains over dense is the implementation, and what ragged gains over it is the memory KVzap freed.
@@ -177,14 +179,16 @@ class StreamBench:
 def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, prompt_tokens: int = 1024, new_tokens: int = 96,
                  pool_tokens: int | None = None, rounds: int = 3, threshold: float | None = None,
                  dense_backends: tuple[str, ...] = CPU_DENSE_BACKENDS, engine: dict | None = None,
-                 on_event=None, configs: tuple[str, ...] = DEFAULT_CONFIGS, shared: int = 0) -> dict:
+                 on_event=None, configs: tuple[str, ...] = DEFAULT_CONFIGS, shared: int = 0,
+                 kvzap_overlap: bool = True) -> dict:
     """Interleaved rounds of every configuration; returns the settings, each run's figures, the medians with
     spread per configuration and the comparisons with the baseline (``stream_figures.summarize`` / ``compare``)."""
     bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared)
     baseline = baseline_of(configs)
     dense = bench.probe_dense(dense_backends, on_event, radix=baseline == CONFIGS["dense-radix"][0])
     # (label, mode, threshold, attention backend, each request's custom_params kvzap, radix cache, cap on running);
-    # the dense configurations take the probe's overlap setting, KVzap's SGLang's default (on)
+    # the dense configurations take the probe's overlap setting, KVzap's SGLang's default (on: None leaves it to the
+    # driver) unless kvzap_overlap is False
     plan = []
     for key in configs:
         label, mode, choice, radix, running = CONFIGS[key]
@@ -203,7 +207,8 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                 raise ConfigError(f"'ragged at dense's concurrency' needs {baseline}'s most running requests of the round, "
                                   "but it ran no decode step; give --new-tokens 2 or more")
             result = run_stream(python, bench.spec(mode, tau, backend, choice=choice, running=cap, radix=radix,
-                                                   overlap=dense["overlap"] if mode == "dense" else None))
+                                                   overlap=dense["overlap"] if mode == "dense" else
+                                                   (None if kvzap_overlap else False)))
             figures = run_figures(result)
             if label == baseline:
                 base_running = figures["max_running"]
@@ -224,5 +229,6 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     return {"settings": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
                          "pool_tokens": bench.pool_tokens, "rounds": rounds, "second_threshold": threshold,
                          "configs": list(configs), "baseline": baseline, "engine_args": bench.engine,
+                         "kvzap_overlap": kvzap_overlap,
                          **bench.provenance()},
             "dense_backend": dense, "runs": runs, "summary": summary, "vs_dense": compare(summary, runs, baseline)}

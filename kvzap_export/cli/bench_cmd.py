@@ -65,12 +65,18 @@ def _table(title: str, rows: list[dict]):
 @click.option("--shared-prefix-tokens", default=0, show_default=True, type=int,
               help="With --engine: the first N tokens of every prompt are the same (a shared system prompt), the "
                    "rest distinct; needs dense-radix in --configs (the baseline that prefills the prefix once).")
+@click.option("--kvzap-overlap", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="With --engine: SGLang's overlap scheduler in KVzap's configurations (on: SGLang's default; the "
+                   "dense baseline takes the faster of off and on from its probe). On a CPU engine it gains nothing, "
+                   "and a prefill batch formed while the one before it runs cannot hit that batch's prompts in the "
+                   "radix cache.")
 @click.option("--with-compile", is_flag=True,
               help="Also time torch.compile'd scoring (minutes of compilation; the engines do not use it: it measured "
                    "slower than eager on an H100).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
-          rounds, threshold, dense_backend, configs, shared_prefix_tokens, with_compile: bool, as_json: bool) -> None:
+          rounds, threshold, dense_backend, configs, shared_prefix_tokens, kvzap_overlap, with_compile: bool,
+          as_json: bool) -> None:
     """Benchmark KVzap: surrogate scoring (the engines' eager path, on a GPU also inside a CUDA graph; ONNX
     Runtime on a CPU), threshold compaction at 4k/32k/128k tokens (on a GPU the fused Triton and CUDA kernels as
     engines launch them), overhead vs one attention block at the model's dtype (Llama-3.1-8B shapes; at decode
@@ -90,7 +96,7 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
         from kvzap_export.cli.engine_bench import run_engine_bench
 
         run_engine_bench(bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                         dense_backend, as_json, configs, shared_prefix_tokens)
+                         dense_backend, as_json, configs, shared_prefix_tokens, kvzap_overlap == "on")
         return
     import torch
 

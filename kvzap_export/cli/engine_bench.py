@@ -55,7 +55,8 @@ def _tables(report: dict):
 
 
 def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                     dense_backend, as_json, configs: str | None = None, shared: int = 0) -> None:
+                     dense_backend, as_json, configs: str | None = None, shared: int = 0,
+                     kvzap_overlap: bool = True) -> None:
     from kvzap_export.bench.run import SCHEMA
     from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, baseline_of, bench_sglang,
                                                   check_shared_prefix, parse_configs)
@@ -85,9 +86,10 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens"
         f"{f' ({shared} shared)' if shared else ''} x {new_tokens} new tokens, {rounds} interleaved rounds of {count} "
         f"configurations ({', '.join(chosen)}; {rounds * count} engine launches"
-        f", after a probe of dense's {len(backends) * 2} settings); ratios against {baseline_of(chosen)}")
+        f", after a probe of dense's {len(backends) * 2} settings); ratios against {baseline_of(chosen)}; KVzap's "
+        f"configurations with SGLang's overlap scheduler {'on' if kvzap_overlap else 'off'}")
     result = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                          backends, on_event=say, configs=chosen, shared=shared)
+                          backends, on_event=say, configs=chosen, shared=shared, kvzap_overlap=kvzap_overlap)
     report = {"schema": SCHEMA, "machine": machine("cpu"), "device": "cpu", "date": datetime.date.today().isoformat(),
               "command": "kvzap-export bench --engine sglang", **result}
     if as_json:
@@ -98,6 +100,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     console = Console()
     dense = report["dense_backend"]
     console.print(f"{report['machine']} · {report['date']} · baseline: {report['settings']['baseline']}, SGLang's "
-                  f"{dense['chosen']} backend, overlap scheduler {'on' if dense.get('overlap') else 'off'}")
+                  f"{dense['chosen']} backend, overlap scheduler {'on' if dense.get('overlap') else 'off'}; KVzap's "
+                  f"configurations: overlap scheduler {'on' if kvzap_overlap else 'off'}")
     for table in _tables(report):
         console.print(table)

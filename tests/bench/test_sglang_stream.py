@@ -73,6 +73,33 @@ def test_the_plan_turns_the_radix_cache_on_for_dense_radix_only_and_caps_after_t
     assert [r["radix_cache"] for r in out["runs"][:3]] == [True, False, False]
 
 
+def test_kvzap_overlap_off_turns_the_overlap_scheduler_off_in_kvzaps_runs_only(monkeypatch):
+    """--kvzap-overlap off: every KVzap launch asks SGLang for its overlap scheduler off; the dense runs keep the probe's
+    setting (here on, the faster probe), and the settings record the choice."""
+    launched = []
+
+    def fake_stream(python, spec):
+        launched.append(spec)
+        fast = spec["mode"] == "dense" and spec["engine"].get("disable_overlap_schedule") is False
+        return {"fast": fast, "engine": {"args": spec["engine"]}}
+
+    def fake_figures(result):
+        return {"tokens_per_s": 2.0 if result["fast"] else 1.0, "max_running": 4, "decode_step_s": {}, "bytes": {},
+                "freed_at_peak": 0.5, "prefill_s_per_1k_tokens": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
+    monkeypatch.setattr(sglang_stream, "run_figures", fake_figures)
+    monkeypatch.setattr(sglang_stream, "StreamBench", _bench_without_tokenizer())
+    out = sglang_stream.bench_sglang("b", "m", "python", requests=4, rounds=1, dense_backends=("torch_native",),
+                                     configs=("dense", "ragged-radix", "ragged-off"), kvzap_overlap=False)
+    runs = launched[2:]
+    assert out["dense_backend"]["overlap"] is True
+    assert [(spec["mode"], spec["engine"]["disable_overlap_schedule"]) for spec in runs] == [
+        ("dense", False), ("ragged", True), ("ragged", True)]
+    assert [r["overlap_schedule"] for r in out["runs"]] == [True, False, False]
+    assert out["settings"]["kvzap_overlap"] is False
+
+
 def _bench_without_tokenizer():
     class Bench(sglang_stream.StreamBench):
         def __init__(self, bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared):
