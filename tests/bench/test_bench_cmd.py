@@ -52,3 +52,29 @@ def test_engine_bench_refuses_configurations_it_cannot_compare(tmp_path, capsys,
     assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and all(text in err for text in named), err
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--kvzap-overlap", "off"], False)])
+def test_engine_bench_passes_kvzap_overlap_to_the_benchmark(tmp_path, capsys, monkeypatch, flag, expected):
+    """--kvzap-overlap reaches the benchmark (the engine runs are replaced: what is checked is the command's plumbing),
+    and the console line names the setting."""
+    from kvzap_export.bench import sglang_stream
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_bench(*args, kvzap_overlap, **kwargs):
+        seen["kvzap_overlap"] = kvzap_overlap
+        raise Stop
+
+    monkeypatch.setattr(sglang_stream, "bench_sglang", fake_bench)
+    python = tmp_path / "python"
+    python.write_text("")
+    with pytest.raises(Stop):
+        main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--engine-python",
+              str(python), *flag])
+    assert seen == {"kvzap_overlap": expected}
+    said = capsys.readouterr().err
+    assert f"KVzap's configurations with SGLang's overlap scheduler {'on' if expected else 'off'}" in said

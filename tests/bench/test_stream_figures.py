@@ -136,6 +136,9 @@ def test_the_report_script_shows_every_run_and_ratio():
     text = module.report(doc)
     assert "Against dense, radix:" in text and "(the first 6 shared by all)" in text
     assert "| 1 | dense | torch_native | on | off |" in text
+    assert "KVzap's configurations" not in text  # a document before --kvzap-overlap
+    doc["settings"]["kvzap_overlap"] = False
+    assert "KVzap's configurations: SGLang's overlap scheduler off (`--kvzap-overlap`)." in module.report(doc)
 
 
 @pytest.mark.parametrize("content, says", [(None, "cannot read"), ("{", "is not JSON"),
