@@ -190,6 +190,7 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
     # (label, mode, threshold, attention backend, each request's custom_params kvzap, radix cache, cap on running);
     # the dense configurations take the probe's overlap setting, KVzap's SGLang's default (on: None leaves it to the
     # driver) unless kvzap_overlap is False
+    kvzap_overlap_arg = None if kvzap_overlap else False
     plan = []
     for key in configs:
         label, mode, choice, radix, running = CONFIGS[key]
@@ -208,8 +209,7 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                 raise ConfigError(f"'ragged at dense's concurrency' needs {baseline}'s most running requests of the round, "
                                   "but it ran no decode step; give --new-tokens 2 or more")
             result = run_stream(python, bench.spec(mode, tau, backend, choice=choice, running=cap, radix=radix,
-                                                   overlap=dense["overlap"] if mode == "dense" else
-                                                   (None if kvzap_overlap else False)))
+                                                   overlap=dense["overlap"] if mode == "dense" else kvzap_overlap_arg))
             figures = run_figures(result)
             if label == baseline:
                 base_running = figures["max_running"]

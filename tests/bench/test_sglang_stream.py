@@ -47,8 +47,7 @@ def test_the_plan_turns_the_radix_cache_on_for_dense_radix_only_and_caps_after_t
 
     def fake_figures(result):
         label = result["label"]
-        return {"tokens_per_s": 2.0 if label == "ragged" else 1.0, "max_running": running[label], "decode_step_s": {},
-                "bytes": {}, "freed_at_peak": 0.5, "prefill_s_per_1k_tokens": 1.0, "wall_s": 1.0}
+        return _figures(2.0 if label == "ragged" else 1.0, running[label])
 
     monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
     monkeypatch.setattr(sglang_stream, "run_figures", fake_figures)
@@ -84,8 +83,7 @@ def test_kvzap_overlap_off_turns_the_overlap_scheduler_off_in_kvzaps_runs_only(m
         return {"fast": fast, "engine": {"args": spec["engine"]}}
 
     def fake_figures(result):
-        return {"tokens_per_s": 2.0 if result["fast"] else 1.0, "max_running": 4, "decode_step_s": {}, "bytes": {},
-                "freed_at_peak": 0.5, "prefill_s_per_1k_tokens": 1.0, "wall_s": 1.0}
+        return _figures(2.0 if result["fast"] else 1.0, 4)
 
     monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
     monkeypatch.setattr(sglang_stream, "run_figures", fake_figures)
@@ -98,6 +96,12 @@ def test_kvzap_overlap_off_turns_the_overlap_scheduler_off_in_kvzaps_runs_only(m
         ("dense", False), ("ragged", True), ("ragged", True)]
     assert [r["overlap_schedule"] for r in out["runs"]] == [True, False, False]
     assert out["settings"]["kvzap_overlap"] is False
+
+
+def _figures(tokens_per_s: float, max_running: int) -> dict:
+    """A run's figures, made up: what the plan and the comparisons read."""
+    return {"tokens_per_s": tokens_per_s, "max_running": max_running, "decode_step_s": {}, "bytes": {},
+            "freed_at_peak": 0.5, "prefill_s_per_1k_tokens": 1.0, "wall_s": 1.0}
 
 
 def _bench_without_tokenizer():
