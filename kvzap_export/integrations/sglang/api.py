@@ -283,6 +283,13 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.clear", "method", ("self",)),
     ApiName("sglang.srt.mem_cache.allocator.token", "TokenToKVPoolAllocator.free", "method", ("self", "free_index")),
     ApiName(_SB, "Req.skip_radix_cache_insert", "field"),
+    # ... and under the overlap scheduler, holding back requests an in-flight prefill will let hit (prefill_hold_hook)
+    ApiName(_SCHED, "Scheduler.get_new_batch_prefill", "method", ("self", "running_batch")),
+    ApiName(_SCHED, "Scheduler.waiting_queue", "field"),
+    ApiName(_SCHED, "Scheduler.result_queue", "field"),
+    ApiName(_SB, "Req.prefix_len", "field"),
+    ApiName(_SB, "Req.extend_end", "field"),
+    ApiName(_SB, "Req.full_untruncated_fill_ids", "field"),
     ApiName(_SB, "ScheduleBatch.out_cache_loc", "field"),
     ApiName(_SB, "ReqKvInfo.cache_protected_len", "field"),
     ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.abort_request", "method", ("self", "rid")),

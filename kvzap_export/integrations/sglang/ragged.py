@@ -409,6 +409,7 @@ def register(register_hook, kind, one_line) -> None:
     register_hook(api("BeamCoordinator.validate_and_init").target, ragged_pool.beam_hook, kind.AROUND)
     register_hook(api("create_tree_cache").target, one_line(ragged_radix.tree_cache_hook), kind.AROUND)
     register_hook(api("alloc_for_extend").target, ragged_radix.extend_prefixes_hook, kind.BEFORE)
+    register_hook(api("Scheduler.get_new_batch_prefill").target, ragged_radix.prefill_hold_hook, kind.AROUND)
     backend = backend_class()
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

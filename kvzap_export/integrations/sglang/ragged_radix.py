@@ -14,7 +14,10 @@ The exactness argument and the accounting are in docs/ragged-kv.md ("Radix cache
   ``available + evictable == max_total_num_tokens`` holds) and taken back when an allocation finds too few free
   entries (``reclaim``): first SGLang's own eviction of unlocked nodes, then the records of locked nodes, least
   recently used first; such a node is *broken*: a match stops before it, and it is cut from the tree (with its
-  subtree) once no request locks it.
+  subtree) once no request locks it;
+- under SGLang's overlap scheduler, a waiting request that shares a prefix with a prefill still in flight (not yet in
+  the tree) is held out of one batch formation so that it hits instead of computing the prefix again (AROUND
+  ``Scheduler.get_new_batch_prefill``, ``prefill_hold_hook``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvzap_export.integrations.ragged_shared import SharedRaggedStore, take_soft
@@ -234,6 +238,75 @@ def tree_cache_hook(original_fn, ctx, *args, **kwargs):
     if ctx.disable_radix_cache or not shares_prefixes():  # SGLang turns it off for some models by itself
         return original_fn(ctx, *args, **kwargs)
     return radix_cache_class()(ctx.params)
+
+
+# A waiting request is held back (once) when a prefill in flight will put at least this many more of its prompt's
+# tokens into the tree: about what one forward step costs to wait, against the prefill those tokens would cost.
+HOLD_MIN_TOKENS = 32
+_HELD: set = set()  # rids held back once already (a request is never held twice)
+
+
+def common_prefix(a, b) -> int:
+    """The number of leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
+
+
+def requests_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: int = HOLD_MIN_TOKENS) -> list:
+    """The waiting requests worth holding back until the in-flight prefills are in the tree.
+
+    ``in_flight``: the requests of extend batches whose results SGLang has not processed (under the overlap scheduler,
+    the batch launched last). Processing one inserts its tokens ``[0, extend_end)`` (``checkpoint_kv_cache``); a
+    request whose prompt shares at least ``min_tokens`` more of them than the tree held at that request's admission
+    (``prefix_len``) would otherwise compute them again. Each request is held at most once (``held_before``: rids), so
+    nothing waits longer than one batch."""
+    sources = []
+    for q in in_flight:
+        end, cached = int(q.extend_end or 0), int(q.prefix_len)
+        if end - cached >= min_tokens:
+            sources.append((np.asarray(q.full_untruncated_fill_ids[:end], dtype=np.int64), cached))
+    if not sources:
+        return []
+    hold = []
+    for r in waiting:
+        if r.rid in held_before:
+            continue
+        prompt = r.origin_input_ids
+        if any(min(common_prefix(prompt, ids), len(prompt) - 1) - cached >= min_tokens for ids, cached in sources):
+            hold.append(r)
+    return hold
+
+
+def prefill_hold_hook(original_fn, scheduler, *args, **kwargs):
+    """AROUND ``Scheduler.get_new_batch_prefill``, with KVzap's tree under the overlap scheduler.
+
+    SGLang's overlap loop forms batch N+1 before it processes batch N's result, and a prompt enters the radix tree only
+    when its result is processed: a request admitted into N+1 misses the prompts of N it shares a prefix with (a shared
+    system prompt arriving in a burst is computed twice). The requests ``requests_to_hold`` picks sit out this one
+    formation and keep their place in the queue; SGLang processes N before it forms N+2, where they hit. Only the
+    order in which requests are admitted changes, never what a request computes or decides."""
+    if not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class()):
+        return original_fn(scheduler, *args, **kwargs)
+    waiting = scheduler.waiting_queue
+    _HELD.intersection_update(r.rid for r in waiting)
+    in_flight = [q for batch, _ in getattr(scheduler, "result_queue", ()) if batch.forward_mode.is_extend()
+                 for q in batch.reqs]
+    hold = requests_to_hold(waiting, in_flight, _HELD)
+    if not hold:
+        return original_fn(scheduler, *args, **kwargs)
+    _HELD.update(r.rid for r in hold)
+    held = {id(r) for r in hold}
+    order = {id(r): i for i, r in enumerate(waiting)}
+    scheduler.waiting_queue = [r for r in waiting if id(r) not in held]
+    try:
+        return original_fn(scheduler, *args, **kwargs)
+    finally:  # held requests back in their places; requests the call queued (preempted ones) stay after them
+        rest = scheduler.waiting_queue
+        back = sorted([r for r in rest if id(r) in order] + hold, key=lambda r: order[id(r)])
+        scheduler.waiting_queue = back + [r for r in rest if id(r) not in order]
 
 
 def extend_prefixes_hook(batch, *args, **kwargs) -> None:

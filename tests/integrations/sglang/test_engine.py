@@ -276,10 +276,10 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
 
 
 
-def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: int = 8) -> tuple[dict, list]:
+def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: int = 8, **engine) -> tuple[dict, list]:
     """The reference prompts, four copies each, kvpress decoding=True and =False mixed, submitted at once (up to 8
-    running, a pool of ``pool_requests`` requests' worth), with KVZAP_COUNT_HOST_READS=1; returns the driver's result
-    and the kvpress tokens each must equal."""
+    running, a pool of ``pool_requests`` requests' worth, ``engine``: more engine arguments), with
+    KVZAP_COUNT_HOST_READS=1; returns the driver's result and the kvpress tokens each must equal."""
     import os
 
     from tests.conftest import sglang_python
@@ -294,7 +294,7 @@ def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: in
                 expected.append(run["output_ids"])
     longest = max(len(r["input_ids"]) for r in stream)
     spec = {"model": str(model), "bundle": str(bundle), "mode": mode, "stream": stream,
-            "engine": {"max_running_requests": 8, "max_total_tokens": pool_requests * (longest + NEW_TOKENS + 8)}}
+            "engine": {"max_running_requests": 8, "max_total_tokens": pool_requests * (longest + NEW_TOKENS + 8), **engine}}
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
@@ -313,6 +313,25 @@ def test_ragged_mode_shares_prompts_exactly_in_a_pool_its_tree_must_make_room_in
     out, expected = concurrent_reference_stream(model, bundle, "ragged", tmp_path, pool_requests=2)
     assert [r["output_ids"] for r in out["stream"]] == expected
     assert max(r["cached_tokens"] or 0 for r in out["stream"]) > 0
+
+
+def test_under_the_overlap_scheduler_every_repeat_of_a_prompt_in_a_burst_takes_it_from_the_cache(qwen3, tmp_path):
+    """The overlap scheduler forms a batch before it inserts the last one's prompts into the radix tree; KVzap's glue
+    holds a request that shares a prefix with a prefill in flight out of that one formation
+    (``ragged_radix.prefill_hold_hook``). The reference prompts (400 tokens), four copies each and both kvpress
+    settings, submitted at once, one prompt's worth of prefill tokens per batch, a pool that evicts nothing: every
+    repeat of a prompt takes all but its last token from the cache (without the hold, a repeat whose first copy is the
+    batch in flight takes nothing: seen on this test's stream), and its tokens still equal kvpress's."""
+    model, bundle = qwen3
+    longest = max(len(p) for p in reference_prompts(bundle))
+    out, expected = concurrent_reference_stream(model, bundle, "ragged", tmp_path, pool_requests=32,
+                                                max_prefill_tokens=longest)
+    assert [r["output_ids"] for r in out["stream"]] == expected
+    assert out["engine"]["resolved"]["disable_overlap_schedule"] is False
+    per_copy = len(out["stream"]) // 4
+    first, repeats = out["stream"][:per_copy], out["stream"][per_copy:]
+    assert [r["cached_tokens"] for r in first[1::2]] == [r["prompt_tokens"] - 1 for r in first[1::2]], first
+    assert [r["cached_tokens"] for r in repeats] == [r["prompt_tokens"] - 1 for r in repeats], repeats
 
 
 @pytest.fixture(scope="module")
