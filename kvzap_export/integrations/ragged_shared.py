@@ -45,6 +45,7 @@ class SharedRaggedStore(RaggedStore):
         self.reclaimer = None  # callable(short): frees at least ``short`` more entries (the engine's prefix cache)
         self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
         self.dropped_prompts = 0  # rows whose records ``drop_unanchored`` ended before the engine cached them
+        self.held_requests = 0  # waiting requests the engine's glue held for a prefill in flight (SGLang: ragged_radix)
         # lock -> soft entries on the path a request was admitted with, until the allocation that adopts them: they are
         # not room (the adoption makes them the row's), though they are soft until then
         self.pending: dict[int, int] = {}

@@ -224,7 +224,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
                    "head_slots_pool": store.capacity, "rows": len(store.logical)}
             if shared:
                 out.update(head_slots_cached=cached, cache_nodes_reclaimed=store.reclaimed_nodes,
-                           cache_prompts_dropped=store.dropped_prompts)
+                           cache_prompts_dropped=store.dropped_prompts, cache_holds=store.held_requests)
             budget = current_plan()
             if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated
                 out["kv_budget"] = budget.against(store.nbytes(), store.capacity)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 
-import numpy as np
 import torch
 
 from kvzap_export.integrations.ragged_shared import SharedRaggedStore, take_soft
@@ -240,34 +240,35 @@ def tree_cache_hook(original_fn, ctx, *args, **kwargs):
     return radix_cache_class()(ctx.params)
 
 
-# A waiting request is held back (once) when a prefill in flight will put at least this many more of its prompt's
-# tokens into the tree: about what one forward step costs to wait, against the prefill those tokens would cost.
+# A waiting request is held back (once) only when a prefill in flight will put at least this many more of its prompt's
+# tokens into the tree: SGLang's own threshold for a prefix worth deduplicating within one batch
+# (``IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD`` in ``schedule_policy.py``, 32 by default). Not tuned here.
 HOLD_MIN_TOKENS = 32
-_HELD: set = set()  # rids held back once already (a request is never held twice)
+_HELD: set = set()  # rids of waiting requests held once already (a request is held once per stay in the queue)
 
 
-def common_prefix(a, b) -> int:
-    """The number of leading token ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(differ[0]) if differ.size else n
+def _leading(ids, n: int) -> array:
+    """The first ``n`` ids as an ``array('q')`` (SGLang's own type for them), so that comparing two is one C loop."""
+    head = ids[:n]
+    return head if isinstance(head, array) and head.typecode == "q" else array("q", head)
 
 
 def requests_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: int = HOLD_MIN_TOKENS) -> list:
     """The waiting requests worth holding back until the in-flight prefills are in the tree.
 
     ``in_flight``: the requests of extend batches whose results SGLang has not processed (under the overlap scheduler,
-    the batch launched last). Processing one inserts its tokens ``[0, extend_end)`` (``checkpoint_kv_cache``); a
-    request whose prompt shares at least ``min_tokens`` more of them than the tree held at that request's admission
-    (``prefix_len``) would otherwise compute them again. Each request is held at most once (``held_before``: rids), so
-    nothing waits longer than one batch."""
+    the batch launched last). Processing one inserts its tokens ``[0, extend_end)`` (``checkpoint_kv_cache``; none
+    when it skips the tree); the tree held its first ``prefix_len`` at its admission. A waiting request is picked when
+    its first ``prefix_len + min_tokens`` tokens are that request's, under the same radix key (``extra_key``,
+    ``cache_salt``), and SGLang could match that many of its own (``_compute_max_prefix_len``): it would then take at
+    least ``min_tokens`` more from the tree once the in-flight prefill is in it, if nothing evicts it first.
+    ``held_before``: rids never picked again."""
     sources = []
     for q in in_flight:
         end, cached = int(q.extend_end or 0), int(q.prefix_len)
-        if end - cached >= min_tokens:
-            sources.append((np.asarray(q.full_untruncated_fill_ids[:end], dtype=np.int64), cached))
+        if end - cached >= min_tokens and not q.skip_radix_cache_insert:
+            n = cached + min_tokens
+            sources.append((n, _leading(q.full_untruncated_fill_ids, n), (q.extra_key, q.cache_salt)))
     if not sources:
         return []
     hold = []
@@ -275,35 +276,45 @@ def requests_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: in
         if r.rid in held_before:
             continue
         prompt = r.origin_input_ids
-        if any(min(common_prefix(prompt, ids), len(prompt) - 1) - cached >= min_tokens for ids, cached in sources):
+        longest = r._compute_max_prefix_len(len(prompt) + len(r.output_ids))
+        key = (r.extra_key, r.cache_salt)
+        if any(n <= min(longest, len(prompt)) and k == key and _leading(prompt, n) == ids for n, ids, k in sources):
             hold.append(r)
     return hold
 
 
-def prefill_hold_hook(original_fn, scheduler, *args, **kwargs):
+def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
     """AROUND ``Scheduler.get_new_batch_prefill``, with KVzap's tree under the overlap scheduler.
 
     SGLang's overlap loop forms batch N+1 before it processes batch N's result, and a prompt enters the radix tree only
     when its result is processed: a request admitted into N+1 misses the prompts of N it shares a prefix with (a shared
-    system prompt arriving in a burst is computed twice). The requests ``requests_to_hold`` picks sit out this one
-    formation and keep their place in the queue; SGLang processes N before it forms N+2, where they hit. Only the
-    order in which requests are admitted changes, never what a request computes or decides."""
-    if not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class()):
-        return original_fn(scheduler, *args, **kwargs)
+    system prompt arriving in a burst is computed twice). The requests ``requests_to_hold`` picks are hidden from this
+    one formation, then put back where they were in the queue (before any request the call queued: a preempted or
+    grammar-ready one); SGLang processes N before the next formation, where they may be admitted and hit. What a
+    request computes and decides does not change. Inside the call SGLang's code sees the queue without them (its
+    prefill statistics, the adder's queue length); with ``--max-queued-requests`` set, whose check counts the queue,
+    nothing is held."""
+    def formation():
+        return original_fn(scheduler, running_batch, *args, **kwargs)
+
+    if (not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class())
+            or scheduler.max_queued_requests is not None or not scheduler.result_queue
+            or (running_batch.batch_is_full and scheduler.chunked_req is None)):  # nothing would be admitted
+        return formation()
     waiting = scheduler.waiting_queue
     _HELD.intersection_update(r.rid for r in waiting)
-    in_flight = [q for batch, _ in getattr(scheduler, "result_queue", ()) if batch.forward_mode.is_extend()
-                 for q in batch.reqs]
+    in_flight = [q for batch, _ in scheduler.result_queue if batch.forward_mode.is_extend() for q in batch.reqs]
     hold = requests_to_hold(waiting, in_flight, _HELD)
     if not hold:
-        return original_fn(scheduler, *args, **kwargs)
+        return formation()
     _HELD.update(r.rid for r in hold)
+    scheduler.tree_cache.store.held_requests += len(hold)
     held = {id(r) for r in hold}
     order = {id(r): i for i, r in enumerate(waiting)}
     scheduler.waiting_queue = [r for r in waiting if id(r) not in held]
     try:
-        return original_fn(scheduler, *args, **kwargs)
-    finally:  # held requests back in their places; requests the call queued (preempted ones) stay after them
+        return formation()
+    finally:
         rest = scheduler.waiting_queue
         back = sorted([r for r in rest if id(r) in order] + hold, key=lambda r: order[id(r)])
         scheduler.waiting_queue = back + [r for r in rest if id(r) not in order]

@@ -95,8 +95,12 @@ def has_field(cls: ast.ClassDef, name: str) -> bool:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return True
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-        for t in targets:
+        targets = list(node.targets) if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        flat = []  # ``self.a, self.b = ...``: each element of a tuple target
+        while targets:
+            t = targets.pop()
+            targets.extend(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else flat.append(t)
+        for t in flat:
             if isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name) and t.value.id == "self":
                 return True
     return False

@@ -320,8 +320,9 @@ def test_under_the_overlap_scheduler_every_repeat_of_a_prompt_in_a_burst_takes_i
     holds a request that shares a prefix with a prefill in flight out of that one formation
     (``ragged_radix.prefill_hold_hook``). The reference prompts (400 tokens), four copies each and both kvpress
     settings, submitted at once, one prompt's worth of prefill tokens per batch, a pool that evicts nothing: every
-    repeat of a prompt takes all but its last token from the cache (without the hold, a repeat whose first copy is the
-    batch in flight takes nothing: seen on this test's stream), and its tokens still equal kvpress's."""
+    repeat of a prompt takes all but its last token from the cache, the readings count the holds, and every output
+    still equals kvpress's tokens. Without the hold (the registration commented out, once), the second run of each
+    prompt, formed while the first was in flight, took 0 to 3 tokens from the cache."""
     model, bundle = qwen3
     longest = max(len(p) for p in reference_prompts(bundle))
     out, expected = concurrent_reference_stream(model, bundle, "ragged", tmp_path, pool_requests=32,
@@ -329,9 +330,11 @@ def test_under_the_overlap_scheduler_every_repeat_of_a_prompt_in_a_burst_takes_i
     assert [r["output_ids"] for r in out["stream"]] == expected
     assert out["engine"]["resolved"]["disable_overlap_schedule"] is False
     per_copy = len(out["stream"]) // 4
+    assert per_copy == 2 * len(reference_prompts(bundle))  # each prompt: a kvpress decoding=True run, then =False
     first, repeats = out["stream"][:per_copy], out["stream"][per_copy:]
     assert [r["cached_tokens"] for r in first[1::2]] == [r["prompt_tokens"] - 1 for r in first[1::2]], first
     assert [r["cached_tokens"] for r in repeats] == [r["prompt_tokens"] - 1 for r in repeats], repeats
+    assert max(r.get("cache_holds", 0) for r in out["readings"]) > 0  # the glue held requests (the store's count)
 
 
 @pytest.fixture(scope="module")
