@@ -294,6 +294,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "Req.cache_salt", "field"),
     ApiName(_SB, "Req._compute_max_prefix_len", "method", ("self", "input_len")),
     ApiName(_SCHED, "Scheduler.max_queued_requests", "field"),
+    ApiName(_SCHED, "Scheduler.max_running_requests", "field"),
+    ApiName(_SB, "ScheduleBatch.is_empty", "method", ("self",)),
     ApiName(_SB, "ScheduleBatch.out_cache_loc", "field"),
     ApiName(_SB, "ReqKvInfo.cache_protected_len", "field"),
     ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.abort_request", "method", ("self", "rid")),

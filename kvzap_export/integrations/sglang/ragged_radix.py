@@ -15,9 +15,9 @@ The exactness argument and the accounting are in docs/ragged-kv.md ("Radix cache
   entries (``reclaim``): first SGLang's own eviction of unlocked nodes, then the records of locked nodes, least
   recently used first; such a node is *broken*: a match stops before it, and it is cut from the tree (with its
   subtree) once no request locks it;
-- under SGLang's overlap scheduler, a waiting request that shares a prefix with a prefill still in flight (not yet in
-  the tree) is held out of one batch formation so that it hits instead of computing the prefix again (AROUND
-  ``Scheduler.get_new_batch_prefill``, ``prefill_hold_hook``).
+- under SGLang's overlap scheduler, a batch formation stops before the first waiting request that shares a prefix
+  with a prefill still in flight (not yet in the tree), so that it hits at the next formation instead of computing
+  the prefix again (AROUND ``Scheduler.get_new_batch_prefill``, ``prefill_hold_hook``).
 """
 
 from __future__ import annotations
@@ -240,47 +240,48 @@ def tree_cache_hook(original_fn, ctx, *args, **kwargs):
     return radix_cache_class()(ctx.params)
 
 
-# A waiting request is held back (once) only when a prefill in flight will put at least this many more of its prompt's
-# tokens into the tree: SGLang's own threshold for a prefix worth deduplicating within one batch
-# (``IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD`` in ``schedule_policy.py``, 32 by default). Not tuned here.
+# A waiting request is held back only when a prefill in flight will put at least this many more of its prompt's leading
+# tokens into the tree: the number SGLang's cache-aware policies use by default to deprioritize a waiting request that
+# shares a prefix with another (``IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD``, ``schedule_policy.py``). Not tuned.
 HOLD_MIN_TOKENS = 32
 _HELD: set = set()  # rids of waiting requests held once already (a request is held once per stay in the queue)
 
 
-def _leading(ids, n: int) -> array:
-    """The first ``n`` ids as an ``array('q')`` (SGLang's own type for them), so that comparing two is one C loop."""
+def _leading(ids, n: int) -> bytes:
+    """The first ``n`` ids as bytes of int64 (SGLang keeps them as ``array('q')``): one slice and one hash to compare."""
     head = ids[:n]
-    return head if isinstance(head, array) and head.typecode == "q" else array("q", head)
+    return (head if isinstance(head, array) and head.typecode == "q" else array("q", head)).tobytes()
 
 
-def requests_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: int = HOLD_MIN_TOKENS) -> list:
-    """The waiting requests worth holding back until the in-flight prefills are in the tree.
+def first_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: int = HOLD_MIN_TOKENS) -> int | None:
+    """The position in ``waiting`` of the first request worth holding back until the in-flight prefills are in the
+    tree, or None.
 
     ``in_flight``: the requests of extend batches whose results SGLang has not processed (under the overlap scheduler,
     the batch launched last). Processing one inserts its tokens ``[0, extend_end)`` (``checkpoint_kv_cache``; none
-    when it skips the tree); the tree held its first ``prefix_len`` at its admission. A waiting request is picked when
+    when it skips the tree); at its admission the tree held its first ``prefix_len``. A waiting request qualifies when
     its first ``prefix_len + min_tokens`` tokens are that request's, under the same radix key (``extra_key``,
-    ``cache_salt``), and SGLang could match that many of its own (``_compute_max_prefix_len``): it would then take at
-    least ``min_tokens`` more from the tree once the in-flight prefill is in it, if nothing evicts it first.
-    ``held_before``: rids never picked again."""
-    sources = []
+    ``cache_salt``), and SGLang could match that many of its tokens (``_compute_max_prefix_len``): the tree will then
+    hold at least ``min_tokens`` more of its prefix than it held at the in-flight request's admission (it may have
+    gained some of them since, from a result processed after that admission: such a hold was not needed).
+    ``held_before``: rids that never qualify again."""
+    groups: dict[tuple, set[bytes]] = {}
     for q in in_flight:
         end, cached = int(q.extend_end or 0), int(q.prefix_len)
         if end - cached >= min_tokens and not q.skip_radix_cache_insert:
             n = cached + min_tokens
-            sources.append((n, _leading(q.full_untruncated_fill_ids, n), (q.extra_key, q.cache_salt)))
-    if not sources:
-        return []
-    hold = []
-    for r in waiting:
+            groups.setdefault((n, q.extra_key, q.cache_salt), set()).add(_leading(q.full_untruncated_fill_ids, n))
+    if not groups:
+        return None
+    for i, r in enumerate(waiting):
         if r.rid in held_before:
             continue
         prompt = r.origin_input_ids
-        longest = r._compute_max_prefix_len(len(prompt) + len(r.output_ids))
-        key = (r.extra_key, r.cache_salt)
-        if any(n <= min(longest, len(prompt)) and k == key and _leading(prompt, n) == ids for n, ids, k in sources):
-            hold.append(r)
-    return hold
+        room = min(r._compute_max_prefix_len(len(prompt) + len(r.output_ids)), len(prompt))
+        if any(n <= room and key == r.extra_key and salt == r.cache_salt and _leading(prompt, n) in ids
+               for (n, key, salt), ids in groups.items()):
+            return i
+    return None
 
 
 def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
@@ -288,36 +289,41 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
 
     SGLang's overlap loop forms batch N+1 before it processes batch N's result, and a prompt enters the radix tree only
     when its result is processed: a request admitted into N+1 misses the prompts of N it shares a prefix with (a shared
-    system prompt arriving in a burst is computed twice). The requests ``requests_to_hold`` picks are hidden from this
-    one formation, then put back where they were in the queue (before any request the call queued: a preempted or
-    grammar-ready one); SGLang processes N before the next formation, where they may be admitted and hit. What a
-    request computes and decides does not change. Inside the call SGLang's code sees the queue without them (its
-    prefill statistics, the adder's queue length); with ``--max-queued-requests`` set, whose check counts the queue,
-    nothing is held."""
+    system prompt arriving in a burst is computed twice). When ``first_to_hold`` finds such a request, this formation
+    sees only the requests ahead of it in the queue (so none behind it is admitted before it); the rest is put back
+    after whatever the formation left of them, in its order and before any request the call queued (a preempted or
+    grammar-ready one). SGLang processes N before the next formation, where the held request may be admitted and hit.
+    What a request computes and decides does not change. Inside the call SGLang's code sees the shorter queue (its
+    prefill statistics, the adder's queue length, the pending-token count); with ``--max-queued-requests`` set, whose
+    check counts the queue, nothing is held. Only the first ``max_running_requests - running`` waiting requests are
+    looked at: no formation admits more."""
     def formation():
         return original_fn(scheduler, running_batch, *args, **kwargs)
 
-    if (not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class())
-            or scheduler.max_queued_requests is not None or not scheduler.result_queue
-            or (running_batch.batch_is_full and scheduler.chunked_req is None)):  # nothing would be admitted
+    if not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class()):
         return formation()
     waiting = scheduler.waiting_queue
-    _HELD.intersection_update(r.rid for r in waiting)
+    if _HELD:
+        _HELD.intersection_update(r.rid for r in waiting)
+    room = scheduler.max_running_requests - len(running_batch.reqs)
+    if (scheduler.max_queued_requests is not None or not scheduler.result_queue or room <= 0
+            or (running_batch.batch_is_full and scheduler.chunked_req is None and not running_batch.is_empty())):
+        return formation()  # nothing held, or nothing this formation would admit
     in_flight = [q for batch, _ in scheduler.result_queue if batch.forward_mode.is_extend() for q in batch.reqs]
-    hold = requests_to_hold(waiting, in_flight, _HELD)
-    if not hold:
+    at = first_to_hold(waiting[:room], in_flight, _HELD)
+    if at is None:
         return formation()
-    _HELD.update(r.rid for r in hold)
-    scheduler.tree_cache.store.held_requests += len(hold)
-    held = {id(r) for r in hold}
-    order = {id(r): i for i, r in enumerate(waiting)}
-    scheduler.waiting_queue = [r for r in waiting if id(r) not in held]
+    _HELD.add(waiting[at].rid)
+    scheduler.tree_cache.store.held_requests += 1
+    hidden = waiting[at:]
+    scheduler.waiting_queue = waiting[:at]
     try:
         return formation()
     finally:
+        seen = {id(r) for r in waiting}
         rest = scheduler.waiting_queue
-        back = sorted([r for r in rest if id(r) in order] + hold, key=lambda r: order[id(r)])
-        scheduler.waiting_queue = back + [r for r in rest if id(r) not in order]
+        scheduler.waiting_queue = ([r for r in rest if id(r) in seen] + hidden
+                                   + [r for r in rest if id(r) not in seen])
 
 
 def extend_prefixes_hook(batch, *args, **kwargs) -> None:
