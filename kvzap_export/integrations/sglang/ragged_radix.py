@@ -277,8 +277,8 @@ def first_to_hold(waiting, in_flight, held_before=frozenset(), min_tokens: int =
         if r.rid in held_before:
             continue
         prompt = r.origin_input_ids
-        room = min(r._compute_max_prefix_len(len(prompt) + len(r.output_ids)), len(prompt))
-        if any(n <= room and key == r.extra_key and salt == r.cache_salt and _leading(prompt, n) in ids
+        matchable = min(r._compute_max_prefix_len(len(prompt) + len(r.output_ids)), len(prompt))
+        if any(n <= matchable and key == r.extra_key and salt == r.cache_salt and _leading(prompt, n) in ids
                for (n, key, salt), ids in groups.items()):
             return i
     return None
@@ -294,9 +294,12 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
     after whatever the formation left of them, in its order and before any request the call queued (a preempted or
     grammar-ready one). SGLang processes N before the next formation, where the held request may be admitted and hit.
     What a request computes and decides does not change. Inside the call SGLang's code sees the shorter queue (its
-    prefill statistics, the adder's queue length, the pending-token count); with ``--max-queued-requests`` set, whose
-    check counts the queue, nothing is held. Only the first ``max_running_requests - running`` waiting requests are
-    looked at: no formation admits more."""
+    prefill statistics, the adder's queue length, the pending-token count). Nothing is held where the hold would not
+    keep the queue's order or SGLang would admit nothing: with ``--max-queued-requests`` (its check counts the queue),
+    with priority preemption (it may admit past a full batch), while grammars are compiling (SGLang queues the ready
+    ones inside the call, after the visible part), and when the running batch is full. Only the first
+    ``max_running_requests - running`` waiting requests are looked at: no formation admits more. ``cache_holds``
+    counts a hold even when the formation stops earlier for another reason (its token budget)."""
     def formation():
         return original_fn(scheduler, running_batch, *args, **kwargs)
 
@@ -306,9 +309,10 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
     if _HELD:
         _HELD.intersection_update(r.rid for r in waiting)
     room = scheduler.max_running_requests - len(running_batch.reqs)
-    if (scheduler.max_queued_requests is not None or not scheduler.result_queue or room <= 0
-            or (running_batch.batch_is_full and scheduler.chunked_req is None and not running_batch.is_empty())):
-        return formation()  # nothing held, or nothing this formation would admit
+    if (scheduler.max_queued_requests is not None or scheduler.enable_priority_preemption or not scheduler.result_queue
+            or room <= 0 or (running_batch.batch_is_full and not running_batch.is_empty())  # SGLang admits none
+            or scheduler.grammar_manager.has_waiting_grammars()):
+        return formation()
     in_flight = [q for batch, _ in scheduler.result_queue if batch.forward_mode.is_extend() for q in batch.reqs]
     at = first_to_hold(waiting[:room], in_flight, _HELD)
     if at is None:

@@ -85,10 +85,12 @@ class Tree:
         self.store = SimpleNamespace(held_requests=0)
 
 
-def scheduler(queue, batches, overlap=True, tree=None, max_queued=None, max_running=8):
+def scheduler(queue, batches, overlap=True, tree=None, max_queued=None, max_running=8, preemption=False,
+              grammars=False):
     return SimpleNamespace(enable_overlap=overlap, tree_cache=tree if tree is not None else Tree(),
                            waiting_queue=list(queue), result_queue=list(batches), max_queued_requests=max_queued,
-                           max_running_requests=max_running, chunked_req=None)
+                           max_running_requests=max_running, chunked_req=None, enable_priority_preemption=preemption,
+                           grammar_manager=SimpleNamespace(has_waiting_grammars=lambda: grammars))
 
 
 def extend_batch(*reqs, extend=True):
@@ -164,13 +166,15 @@ def test_only_as_many_waiting_requests_as_the_formation_could_admit_are_looked_a
 
 
 @pytest.mark.parametrize("case", ["overlap off", "another tree", "decode in flight", "nothing in flight",
-                                  "queue limit", "batch full", "no room"])
+                                  "queue limit", "batch full", "no room", "priority preemption",
+                                  "grammars compiling"])
 def test_the_hook_leaves_the_queue_alone_unless_an_in_flight_prefill_can_help_an_admission(case):
     a = waiting("a", SYSTEM + [1])
     batch = extend_batch(in_flight(SYSTEM + [3]), extend=case != "decode in flight")
     sched = scheduler([a], [] if case == "nothing in flight" else [batch], overlap=case != "overlap off",
                       tree=object() if case == "another tree" else None, max_queued=64 if case == "queue limit" else None,
-                      max_running=2 if case == "no room" else 8)
+                      max_running=2 if case == "no room" else 8, preemption=case == "priority preemption",
+                      grammars=case == "grammars compiling")
     seen = []
     prefill_hold_hook(lambda s, running_batch: seen.append(list(s.waiting_queue)), sched,
                       running(2, full=case == "batch full"))
@@ -178,7 +182,7 @@ def test_the_hook_leaves_the_queue_alone_unless_an_in_flight_prefill_can_help_an
 
 
 def test_a_full_batch_that_sglang_reopens_still_gets_the_hold():
-    """SGLang clears ``batch_is_full`` itself when the running batch is empty (and while a chunked prefill continues)."""
+    """SGLang clears ``batch_is_full`` itself when the running batch is empty."""
     a = waiting("a", SYSTEM + [1])
     sched = scheduler([a], [extend_batch(in_flight(SYSTEM + [3]))])
     seen = []
