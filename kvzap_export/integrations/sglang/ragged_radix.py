@@ -291,8 +291,8 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
     when its result is processed: a request admitted into N+1 misses the prompts of N it shares a prefix with (a shared
     system prompt arriving in a burst is computed twice). When ``first_to_hold`` finds such a request, this formation
     sees only the requests ahead of it in the queue (so none behind it is admitted before it); the rest is put back
-    after whatever the formation left of them, in its order and before any request the call queued (a preempted or
-    grammar-ready one). SGLang processes N before the next formation, where the held request may be admitted and hit.
+    after whatever the formation left of them, in its order and before any request the call queued (a preempted
+    one). SGLang processes N before the next formation, where the held request may be admitted and hit.
     What a request computes and decides does not change. Inside the call SGLang's code sees the shorter queue (its
     prefill statistics, the adder's queue length, the pending-token count). Nothing is held where the hold would not
     keep the queue's order or SGLang would admit nothing: with ``--max-queued-requests`` (its check counts the queue),
