@@ -10,9 +10,10 @@ spread (``stream_figures``). Dense is SGLang without KVzap (readings only) on th
 attention backend, with SGLang's overlap scheduler off and on, serves a short probe stream first, and the fastest is
 the baseline's; with prompts that share a prefix, the baseline is dense with SGLang's radix cache on ("dense, radix":
 the prefix prefilled and held once), the best dense SGLang does there. KVzap's modes run with SGLang's overlap
-scheduler on (its default; ``kvzap_overlap=False`` turns it off: on a CPU engine overlap gains nothing, and without
-it a prefill batch can hit the previous batch's prompts in the radix cache, which SGLang caches only once it has
-processed that batch's result) and the radix cache as the
+scheduler on (its default; ``kvzap_overlap=False`` turns it off: on a CPU engine overlap gains nothing; SGLang
+caches a batch's prompts only once it has processed that batch's result, so under overlap ragged mode holds a request
+that shares a prefix with the prefill in flight for one batch, ``ragged_radix.prefill_hold_hook``) and the radix
+cache as the
 configuration says ("ragged, radix":
 prompts' per-head entries shared exactly, docs/ragged-kv.md). "Ragged, KVzap off" is
 the ragged mode's storage and attention with every request asking for KVzap off: it holds every entry, as dense

@@ -67,9 +67,9 @@ def _table(title: str, rows: list[dict]):
                    "rest distinct; needs dense-radix in --configs (the baseline that prefills the prefix once).")
 @click.option("--kvzap-overlap", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="With --engine: SGLang's overlap scheduler in KVzap's configurations (on: SGLang's default; the "
-                   "dense baseline takes the faster of off and on from its probe). On a CPU engine it gains nothing, "
-                   "and a prefill batch formed while the one before it runs cannot hit that batch's prompts in the "
-                   "radix cache.")
+                   "dense baseline takes the faster of off and on from its probe). On a CPU engine it gains nothing; "
+                   "with it on, ragged mode holds a request that shares a prefix with the prefill in flight for one "
+                   "batch, so that it hits that prefill's prompt in the radix cache.")
 @click.option("--with-compile", is_flag=True,
               help="Also time torch.compile'd scoring (minutes of compilation; the engines do not use it: it measured "
                    "slower than eager on an H100).")
