@@ -2,7 +2,7 @@
 the aux cache's host-side layout, the step's batch view, every layer's K/V write and attention, and the step's
 decisions. Their number must not grow with the layers or the requests. The counter itself is checked first.
 
-The same count runs inside the real SGLang engine (``KVZAP_COUNT_HOST_READS=1``, test_engine.py), around the
+The same count runs inside the real SGLang engine (``KVZAP_COUNT_HOST_READS=1``, test_engine_streams.py), around the
 backends' own methods."""
 
 from __future__ import annotations

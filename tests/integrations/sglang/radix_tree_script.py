@@ -1,4 +1,4 @@
-"""Run by test_engine.py with the SGLang environment's Python: KVzap's radix tree (``ragged_radix.py``, a subclass of
+"""Run by test_engine_streams.py with the SGLang environment's Python: KVzap's radix tree (``ragged_radix.py``, a subclass of
 SGLang 0.5.23's own ``RadixCache``) over a ``SharedRaggedStore`` and the ragged allocator, driven step by step as the
 scheduler drives them (insert, match, lock, adopt, decide, reclaim, evict, unlock). Prints one JSON object of what it
 read; the test asserts on it. Not a test module itself (it needs SGLang)."""

@@ -2,7 +2,7 @@
 
 SGLang is not imported here: its requests and scheduler are modelled by the fields the hook reads (each listed in
 ``api.py`` and checked against the 0.5.23 source by ``test_api.py``). The real overlap loop runs the hook in the engine
-test (``test_engine.py``: every repeated prompt of a burst takes its prefix from the cache, and the holds are counted).
+test (``test_engine_streams.py``: every repeated prompt of a burst takes its prefix from the cache, and the holds are counted).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The SGLang runtime's logic where the real CPU engine cannot reach it, with a small stand-in of SGLang's
 objects (slots, a ``req_to_token`` row, per-layer ``[slots, heads, dim]`` K/V buffers, an allocator).
 
-Everything the engine can run is tested in the engine (test_engine.py: tokens vs kvpress, allocator readings,
-refusals at launch). What stays here, and why:
+Everything the engine can run is tested in the engine (test_engine.py and test_engine_streams.py: tokens vs kvpress, allocator
+readings, refusals at launch). What stays here, and why:
 - beam search and streaming sessions (requests sharing KV slots): not run in the CPU engine tests (time);
 - a decode-first request reusing a row (a beam forked from its leader): not reachable without beam search;
 - the flags of setups the CPU engine cannot launch (pipeline / attention-DP / decode context parallelism,
