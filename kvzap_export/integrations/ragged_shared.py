@@ -46,8 +46,8 @@ class SharedRaggedStore(RaggedStore):
         self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
         self.dropped_prompts = 0  # rows whose records ``drop_unanchored`` ended before the engine cached them
         self.held_requests = 0  # waiting requests the engine's glue held for a prefill in flight (SGLang: ragged_radix)
-        # lock -> soft entries on the path a request was admitted with, until the allocation that adopts them: they are
-        # not room (the adoption makes them the row's), though they are soft until then
+        # node of the engine's prefix cache on a path a request was admitted with -> its soft entries, until the
+        # allocation that adopts them: they are not room (the adoption makes them the row's), though soft until then
         self.pending: dict[int, int] = {}
         # request row -> (position, slots): the row's records from ``position`` on, which the engine's prefix cache has
         # not taken yet (``anchored``). Under an overlap scheduler the engine inserts a prompt into its cache a step

@@ -63,7 +63,8 @@ def radix_cache_class():
         def __init__(self, params):
             self._broken: set = set()  # nodes whose records were reclaimed (reset() runs inside super().__init__)
             self._in_checkpoint = False
-            self._lock_paths: dict[int, list] = {}  # admission lock -> the nodes whose soft entries it set aside
+            self._lock_paths: dict[int, list] = {}  # admission lock -> its path's nodes (since pending's last clear)
+            self._admitted: dict = {}  # node -> admission locks on it (since pending's last clear)
             super().__init__(params)
             allocator = params.token_to_kv_pool_allocator
             store = getattr(allocator, "store", None)
@@ -78,6 +79,7 @@ def radix_cache_class():
             super().reset()
             self._broken.clear()
             self._lock_paths.clear()
+            self._admitted.clear()
 
         # ---- matching: stop before a node whose records were reclaimed ----
         def _match_prefix_helper(self, node, key):
@@ -119,32 +121,47 @@ def radix_cache_class():
 
         def lock(self, node):
             """A lock outside a checkpoint is an admission's (SGLang's PrefillAdder): the request will adopt the
-            path's entries, so their soft ones stop being room until the adoption (``SharedRaggedStore.pending``),
-            each node's once however many admissions lock it (adopting makes them held once; SGLang too moves a
-            node out of its evictable count at its first lock only). One read of the device per such lock."""
+            path's entries, so their soft ones stop being room until the adoption (``SharedRaggedStore.pending``,
+            by node), each node's once however many admission locks hold it (adopting makes them held once; SGLang too
+            moves a node out of its evictable count at its first lock only). They stay set aside until the last of
+            those locks ends: SGLang 0.5.23's adder takes its committing lock inside the temporary one it checks the
+            budget under, and ends the temporary one first. One read of the device per lock with new nodes."""
             held = super().lock(node)
             if self._in_checkpoint or node is self.root_node:
                 return held
-            pending = self.store.pending
-            self._lock_paths = {k: v for k, v in self._lock_paths.items() if k in pending}  # the store clears it
-            counted = {n for path in self._lock_paths.values() for n in path}
+            admitted = self._admissions()
             path, n = [], node
             while n is not self.root_node:
                 path.append(n)
                 n = n.parent
-            fresh = [n for n in path if n not in counted]
-            soft = sum(self.store.soft_per_slot(torch.cat([n.value for n in fresh])).tolist()) if fresh else 0
-            pending[id(held)] = soft
-            self._lock_paths[id(held)] = fresh
+            fresh = [n for n in path if n not in admitted]
+            for n, soft in zip(fresh, self.store.soft_per_group([n.value for n in fresh])):
+                self.store.pending[id(n)] = soft
+            for n in path:
+                admitted[n] = admitted.get(n, 0) + 1
+            self._lock_paths[id(held)] = path
             return held
 
         def unlock(self, lock):
             if lock is not None:
-                self.store.pending.pop(id(lock), None)
-                self._lock_paths.pop(id(lock), None)
+                admitted = self._admissions()
+                for n in self._lock_paths.pop(id(lock), ()):
+                    admitted[n] -= 1
+                    if admitted[n] == 0:  # no admission lock left on it: its soft entries are room again
+                        del admitted[n]
+                        self.store.pending.pop(id(n), None)
             super().unlock(lock)
             if not self._in_checkpoint:
                 self._cut_unlocked()
+
+        def _admissions(self) -> dict:
+            """node -> admission locks on it; emptied (with the locks' paths) once the store has cleared ``pending``
+            (the allocation that adopts what the admissions set aside: ``ragged.StoreRows.alloc_to_lengths``)."""
+            admitted = self._admitted
+            if admitted and id(next(iter(admitted))) not in self.store.pending:
+                admitted.clear()
+                self._lock_paths.clear()
+            return admitted
 
         # ---- SGLang's checks read these ----
         def full_evictable_size(self):

@@ -57,7 +57,11 @@ def main() -> dict:
     prompt_b = prompt_a[:8] + [7, 7, 7, 7]
     match = tree.match_prefix(MatchPrefixParams(key=key(prompt_b)))
     before_lock = allocator.available_size() + tree.evictable_size()
+    # SGLang 0.5.23's PrefillAdder: a temporary lock while it checks the budget, the committing lock taken inside it,
+    # the temporary one ended first: the committing lock alone must keep the soft entries B will adopt set aside
+    check = tree.lock(match.last_device_node)
     lock_b = tree.lock(match.last_device_node)
+    tree.unlock(check)
     out["room_lost_at_admission"] = before_lock - (allocator.available_size() + tree.evictable_size())
     probe = tree.lock(match.last_device_node)  # a second admission of the same prefix sets nothing more aside
     out["room_lost_at_second_admission"] = before_lock - (allocator.available_size() + tree.evictable_size())

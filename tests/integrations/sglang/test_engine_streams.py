@@ -145,7 +145,8 @@ def radix_tree_run() -> dict:
 def test_the_tree_takes_back_a_shared_prefix_two_running_requests_read_and_frees_nothing_they_hold(radix_tree_run):
     """KVzap's radix tree (SGLang's ``RadixCache`` subclassed) driven step by step as the scheduler drives it, in the
     SGLang environment (``radix_tree_script.py``): request A's prompt cached and locked; B's admission locks A's first
-    8 tokens (the soft entries it will adopt stop being room), B's row adopts them whole (A's evicted tokens
+    8 tokens as SGLang's adder does (a temporary lock, the committing one inside it, the temporary one ended first: the
+    soft entries B will adopt stop being room until the adoption), B's row adopts them whole (A's evicted tokens
     included); both evict tokens 2..5; the store runs short and the reclaim takes those back from the locked shared
     node while A and B still run: no entry either row holds is freed (every free entry then overwritten, the rows'
     K unchanged), a new match stops before the broken node, which is cut once A and B end; at idle SGLang's
