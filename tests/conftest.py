@@ -7,6 +7,13 @@ import os
 
 import pytest
 
+# Under pytest-xdist (CI: -n 2) each worker gets its share of the cores, for torch here and for the processes the tests
+# start (SGLang engines, the CLI): torch's threads spin while they wait, and two workers of all cores each stall one
+# another. Set before torch is imported; an OMP_NUM_THREADS already set is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 # Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be chosen before any kernel is
 # defined (at import of kvzap_export.kernels.triton_compaction), hence here, before test collection.
 if "TRITON_INTERPRET" not in os.environ:
