@@ -48,7 +48,9 @@ class SharedRaggedStore(RaggedStore):
         self.held_requests = 0  # waiting requests the engine's glue held for a prefill in flight (SGLang: ragged_radix)
         # node of the engine's prefix cache on a path a request was admitted with -> its soft entries, until the
         # allocation that adopts them: they are not room (the adoption makes them the row's), though soft until then
+        # (``set_aside``; kept current when a row lets go of some of them in between: ``_give``)
         self.pending: dict[int, int] = {}
+        self.pending_slots: dict[int, torch.Tensor] = {}  # the same nodes -> their slots
         # request row -> (position, slots): the row's records from ``position`` on, which the engine's prefix cache has
         # not taken yet (``anchored``). Under an overlap scheduler the engine inserts a prompt into its cache a step
         # after the step end recorded it, and admits requests in between: their soft entries are room, and only
@@ -61,6 +63,22 @@ class SharedRaggedStore(RaggedStore):
         """Entries an allocation can get: the free ones and the soft ones (``drop_records`` frees those), less the
         soft ones admitted requests are about to adopt (``pending``)."""
         return self.available + self.soft - sum(self.pending.values())
+
+    def set_aside(self, nodes: dict[int, torch.Tensor]) -> None:
+        """An admission on ``nodes`` (key -> the node's slots): their soft entries stop being room until
+        ``clear_aside`` (the allocation that adopts them). One read of the device."""
+        for key, slots, soft in zip(nodes, nodes.values(), self.soft_per_group(list(nodes.values()))):
+            self.pending[key], self.pending_slots[key] = soft, slots
+
+    def unset_aside(self, key: int) -> None:
+        """The last admission on node ``key`` ended without an adoption: its soft entries are room again."""
+        self.pending.pop(key, None)
+        self.pending_slots.pop(key, None)
+
+    def clear_aside(self) -> None:
+        """The admitted requests adopted what their admissions set aside."""
+        self.pending.clear()
+        self.pending_slots.clear()
 
     def nbytes(self) -> dict[str, int]:
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -89,8 +107,14 @@ class SharedRaggedStore(RaggedStore):
         self.rowref.index_add_(0, ids, -mask.to(torch.int32))
         zero = torch.unique(ids[mask & (self.rowref[ids] == 0)])  # two rows may let go of one entry in one call
         soft = self.recorded[zero]
-        self.soft += int(soft.sum())
+        became_soft = int(soft.sum())
+        self.soft += became_soft
         self._push(zero[~soft])
+        if became_soft and self.pending:
+            # a row let go between an admission and its adoption (SGLang's priority preemption: the admitted request
+            # will adopt what the preempted one held): what is set aside is each admitted node's soft entries now
+            keys = list(self.pending_slots)
+            self.pending.update(zip(keys, self.soft_per_group(list(self.pending_slots.values()))))
 
     def _push(self, ids: torch.Tensor) -> None:
         """Puts ``ids`` (no row, no record holds them) on the free list."""

@@ -119,12 +119,35 @@ def test_soft_entries_an_admitted_request_will_adopt_are_not_room():
     store.decide_prefill([0], threshold=0.0, window=1)
     store.release(0)
     assert store.reclaimable == store.capacity  # at idle: free, or soft (a cached prompt)
-    store.pending[7] = store.soft_per_slot(torch.tensor([1, 2, 3, 4])).sum().item()  # a request admitted on it
-    assert store.reclaimable == store.capacity - L * H * 4
+    store.set_aside({7: torch.tensor([1, 2, 3, 4])})  # a request admitted on it (7: the engine's node)
+    assert store.pending == {7: L * H * 4} and store.reclaimable == store.capacity - L * H * 4
     store.adopt(1, torch.tensor([1, 2, 3, 4]))
-    store.pending.clear()  # what the engine does once the batch's rows adopted their prefixes
+    store.clear_aside()  # what the engine does once the batch's rows adopted their prefixes
     assert store.reclaimable == store.capacity - L * H * 4 and store.soft == 0
     accounted(store)
+
+
+def test_entries_a_row_lets_go_of_between_an_admission_and_its_adoption_stay_set_aside():
+    """SGLang's priority preemption: a formation admits a request on a cached prefix that a running request alone
+    holds (nothing soft to set aside), then preempts that running request. Its entries turn soft, yet the admitted
+    request will adopt them: they must not become room."""
+    store = make()
+    prefill(store, 0, [1, 2, 3, 4], torch.full((L, H, 4), 5.0))
+    store.decide_prefill([0], threshold=0.0, window=1)  # every token kept: the running row holds them all
+    store.anchored(0, 4)
+    room = store.reclaimable
+    store.set_aside({7: torch.tensor([1, 2, 3, 4]), 8: torch.tensor([5])})  # node 8: a slot with no record
+    assert store.pending == {7: 0, 8: 0}
+    store.release(0)  # preempted
+    assert store.soft == L * H * 4 and store.pending == {7: L * H * 4, 8: 0}
+    assert store.reclaimable == room
+    store.adopt(1, torch.tensor([1, 2, 3, 4]))
+    store.clear_aside()
+    assert store.reclaimable == room and store.soft == 0 and not store.pending_slots
+    accounted(store)
+    store.set_aside({7: torch.tensor([1, 2, 3, 4])})
+    store.unset_aside(7)  # an admission that ended without an adoption
+    assert not store.pending and not store.pending_slots
 
 
 def test_records_the_prefix_cache_has_not_taken_yet_can_be_dropped_and_are_not_cached_then():

@@ -95,7 +95,7 @@ class StoreRows:
                 if p > 0 and r not in self.store.logical:  # a new request whose prompt starts with a cached prefix
                     self.store.adopt(r, self.req_to_token[r, :p])
         if isinstance(self.store, SharedRaggedStore):  # the admitted requests adopted what admission set aside
-            self.store.pending.clear()
+            self.store.clear_aside()
         counts = [t - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
         if any(n < 0 for n in counts):  # SGLang's row is shorter than what the store holds for it: our bug
             raise RuntimeError(f"ragged store: rows {rows} hold more tokens than SGLang's lengths {targets}")

@@ -134,9 +134,7 @@ def radix_cache_class():
             while n is not self.root_node:
                 path.append(n)
                 n = n.parent
-            fresh = [n for n in path if n not in admitted]
-            for n, soft in zip(fresh, self.store.soft_per_group([n.value for n in fresh])):
-                self.store.pending[id(n)] = soft
+            self.store.set_aside({id(n): n.value for n in path if n not in admitted})
             for n in path:
                 admitted[n] = admitted.get(n, 0) + 1
             self._lock_paths[id(held)] = path
@@ -149,7 +147,7 @@ def radix_cache_class():
                     admitted[n] -= 1
                     if admitted[n] == 0:  # no admission lock left on it: its soft entries are room again
                         del admitted[n]
-                        self.store.pending.pop(id(n), None)
+                        self.store.unset_aside(id(n))
             super().unlock(lock)
             if not self._in_checkpoint:
                 self._cut_unlocked()

@@ -50,7 +50,7 @@ def main() -> dict:
     store.decide_prefill([0], threshold=0.0, window=2)
     tree.insert(InsertParams(key=key(prompt_a), value=slots_a.clone()))
     lock_a = tree.lock(tree.match_prefix(MatchPrefixParams(key=key(prompt_a))).last_device_node)
-    store.pending.clear()  # what A's allocation does (its own admission lock set nothing aside it did not use)
+    store.clear_aside()  # what A's allocation does (its own admission lock set nothing aside it did not use)
     out["soft_after_a"] = store.soft
 
     # request B: A's first 8 tokens and 4 of its own; admission locks the match, its row adopts the full prefix
@@ -69,7 +69,7 @@ def main() -> dict:
     out["b_prefix"] = int(match.device_prefix_len)
     prefix_slots = tree.path_device_indices(match.last_device_node)[:8]
     store.adopt(1, prefix_slots)
-    store.pending.clear()
+    store.clear_aside()
     out["b_holds_a_evicted_tokens"] = all(
         store.row_entries(1, layer, head).tolist()[:8] == ids_a[layer, head, :8].tolist()
         for layer in range(L) for head in range(H))
@@ -107,6 +107,46 @@ def main() -> dict:
     out["free_after_evict"], out["capacity"] = store.available, store.capacity
     out["tokens"] = TOKENS
     out["unanchored"] = not_in_the_tree_yet()
+    out["preempted"] = preempted_while_admitting()
+    return out
+
+
+def room(allocator, tree) -> int:
+    """What SGLang's admission reads as room, in tokens."""
+    return allocator.available_size() + tree.evictable_size()
+
+
+def preempted_while_admitting() -> dict:
+    """SGLang's priority preemption inside one formation: R (row 0) runs on a cached 10-token prompt it alone holds
+    (every token kept), S is admitted on its first 8 tokens (nothing soft to set aside yet), then the formation
+    preempts R (``release_req``: R's lock ends, then its row goes). R's 8 tokens that S will adopt must not become room;
+    the 2 that S does not take become evictable, so room grows by exactly 2 tokens."""
+    store, allocator, tree = pool()
+    prompt = list(range(200, 210))
+    slots = allocator.alloc(10)
+    ids = store.append([0], [10])
+    store.scores[ids.reshape(-1)] = 5.0
+    store.record([0], [10], slots, ids)
+    store.decide_prefill([0], threshold=0.0, window=2)
+    tree.insert(InsertParams(key=key(prompt), value=slots.clone()))
+    lock_r = tree.lock(tree.match_prefix(MatchPrefixParams(key=key(prompt))).last_device_node)
+    store.clear_aside()  # R's own allocation
+    before = room(allocator, tree)
+    match = tree.match_prefix(MatchPrefixParams(key=key(prompt[:8] + [9, 9])))
+    check = tree.lock(match.last_device_node)  # S's admission, in SGLang 0.5.23's lock order
+    lock_s = tree.lock(match.last_device_node)
+    tree.unlock(check)
+    out = {"room_lost_at_admission": before - room(allocator, tree), "s_prefix": int(match.device_prefix_len)}
+    tree.unlock(lock_r)  # R preempted (release_kv_cache): its lock, then its row; its slots stay (the tree holds them)
+    store.release(0)
+    out["room_gained_at_preemption"] = room(allocator, tree) - before
+    store.adopt(1, tree.path_device_indices(match.last_device_node)[:8])  # S's allocation
+    store.clear_aside()
+    out["room_gained_after_adoption"] = room(allocator, tree) - before
+    store.release(1)
+    tree.unlock(lock_s)
+    tree.evict(EvictParams(num_tokens=TOKENS))
+    out["free_at_end"], out["capacity"] = store.available, store.capacity
     return out
 
 

@@ -175,6 +175,17 @@ def test_the_tree_reclaim_ends_records_of_prompts_not_in_it_yet_and_frees_nothin
     assert out["free_at_end"] == out["capacity"]
 
 
+def test_a_request_preempted_after_another_was_admitted_on_its_prefix_frees_no_room_the_admitted_one_adopts(
+        radix_tree_run):
+    """SGLang's priority preemption within one formation: the running request's entries on the prefix the admitted
+    request adopts turn soft when it is preempted, but stay out of the room; only the 2 tokens nobody adopts become
+    room (evictable)."""
+    out = radix_tree_run["preempted"]
+    assert out["s_prefix"] == 8 and out["room_lost_at_admission"] == 0
+    assert out["room_gained_at_preemption"] == 2 and out["room_gained_after_adoption"] == 2
+    assert out["free_at_end"] == out["capacity"]
+
+
 def decode_host_reads(out: dict) -> tuple[set, int]:
     """(the forward counts of every decode step, the largest step-end count), after checking batches ran."""
     decode = [r for r in out["readings"] if r.get("forward") == "decode"]
