@@ -9,8 +9,21 @@ first prompt keeps dense tokens for 24 tokens, the second and third differ from 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 PROMPTS, NEW_TOKENS = 3, 24
+
+
+def run_driver(tmp_path, spec: dict, *, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """The driver (``python -m kvzap_export.integrations.sglang.driver``) on ``spec`` in the SGLang environment's
+    Python, on SGLang's CPU engine, with ``env`` added; it writes ``tmp_path / "out.json"``."""
+    from tests.conftest import sglang_python
+
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    return subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **env})
 
 
 def build_bundle(root, model_dir, model, **options):

@@ -12,12 +12,11 @@ the tiny Qwen3 every mode; docs/integrations.md has the full runs (5 prompts x 6
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from kvzap_export.cli.main import main
-from tests.integrations.sglang.engine_runs import NEW_TOKENS, PROMPTS, reference_prompts
+from tests.integrations.sglang.engine_runs import NEW_TOKENS, PROMPTS, reference_prompts, run_driver
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -159,15 +158,10 @@ def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, 
 
 
 def test_a_wrong_plugin_setting_stops_the_engine_before_it_serves(qwen3, tmp_path):
-    from tests.conftest import sglang_python
-
     model, bundle = qwen3
     spec = {"model": str(model), "bundle": str(bundle), "mode": "drop", "prompts": [{"text": "hi"}], "runs": ["off"],
             "max_new_tokens": 1}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    done = run_driver(tmp_path, spec, timeout=600)
     assert done.returncode != 0 and not (tmp_path / "out.json").exists()
     ours = [line for line in done.stderr.splitlines() if line.startswith("kvzap-export:")]
     assert ours == ["kvzap-export: KVZAP_MODE='drop' is not supported; use one of ['evict', 'mask', 'ragged']"], done.stderr[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.sglang.engine_runs import NEW_TOKENS, reference_prompts
+from tests.integrations.sglang.engine_runs import NEW_TOKENS, reference_prompts, run_driver
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -25,8 +25,6 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
     scheduler is idle, no row holds an entry and every entry not free is one the tree's cached prompts hold (SGLang's
     own idle check, ``available + evictable == max_total_num_tokens``, runs on the same counts)."""
     import random
-
-    from tests.conftest import sglang_python
 
     model, bundle = qwen3
     ids = [i for p in reference_prompts(bundle) for i in p]
@@ -44,10 +42,7 @@ def test_ragged_pool_gets_every_entry_back_after_a_stream_with_aborts(qwen3, tmp
     stream[7]["kvzap"] = "bogus"  # a bad request parameter aborts that request only, never the server
     spec = {"model": str(model), "bundle": str(bundle), "mode": "ragged", "stream": stream,
             "engine": {"max_total_tokens": 1500, "max_running_requests": 12}}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1", "KVZAP_COUNT_HOST_READS": "1"})
+    done = run_driver(tmp_path, spec, KVZAP_COUNT_HOST_READS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     forward, step_end = decode_host_reads(out)  # aborts, retractions, mixed settings: still one count per step ...
@@ -74,10 +69,6 @@ def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: in
     """The reference prompts, four copies each, kvpress decoding=True and =False mixed, submitted at once (up to 8
     running, a pool of ``pool_requests`` requests' worth, ``engine``: more engine arguments), with
     KVZAP_COUNT_HOST_READS=1; returns the driver's result and the kvpress tokens each must equal."""
-    import os
-
-    from tests.conftest import sglang_python
-
     reference = json.loads((bundle / "report" / "reference.json").read_text())
     stream, expected = [], []
     for _copy in range(4):
@@ -90,10 +81,7 @@ def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: in
     spec = {"model": str(model), "bundle": str(bundle), "mode": mode, "stream": stream,
             "engine": {"max_running_requests": 8, "max_total_tokens": pool_requests * (longest + NEW_TOKENS + 8), **engine}}
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run([sglang_python(), "-m", "kvzap_export.integrations.sglang.driver", str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "KVZAP_COUNT_HOST_READS": "1"})
+    done = run_driver(tmp_path, spec, KVZAP_COUNT_HOST_READS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "out.json").read_text()), expected
 
