@@ -113,8 +113,7 @@ class SharedRaggedStore(RaggedStore):
         if became_soft and self.pending:
             # a row let go between an admission and its adoption (SGLang's priority preemption: the admitted request
             # will adopt what the preempted one held): what is set aside is each admitted node's soft entries now
-            keys = list(self.pending_slots)
-            self.pending.update(zip(keys, self.soft_per_group(list(self.pending_slots.values()))))
+            self.set_aside(dict(self.pending_slots))
 
     def _push(self, ids: torch.Tensor) -> None:
         """Puts ``ids`` (no row, no record holds them) on the free list."""
