@@ -12,7 +12,8 @@ The pool, ``capacity`` entries (one entry = one token of one KV head of one laye
   ``scratch``, is no entry: the writes of a CUDA graph's padding rows land there and nothing reads it;
 - ``scores`` [capacity + 1]: the surrogate score of the entry's (token, layer, head), kept until a decision tests
   it (in the model's dtype: kvpress compares in it);
-- a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in.
+- a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in; an
+  append takes the top of the stack in ascending order, so each (layer, head) of a prompt gets ascending ids.
 
 The rows: a table per request that holds entries (SGLang's ``req_pool_idx`` maps to a table slot, taken at its
 first entry and given back at its release, so the tables follow the requests held, not the engine's row count):
@@ -31,6 +32,12 @@ Decisions follow kvpress ``DMSPress`` (DESIGN.md): strict ``score < threshold`` 
 logical positions and the first ``sink`` are kept. ``decide_prefill`` tests every entry of a (dense) prompt;
 ``decide_decode`` tests, per (layer, head), the one entry that left the window at this decode step (kvpress
 ``decoding=True``: each token is tested once, when it leaves the window).
+
+Locality: decode attention on the CPU gathers every row's entries at every step, and a gather of entries
+scattered over the pool costs more per entry than one of a dense run. So ``decide_prefill`` moves a prompt's
+survivors (K, V, score; their order kept) into the row's first ids and frees its last ones: the row stays as
+dense as its prompt was, and the freed ids come back as runs a later prompt takes in ascending order. A store
+whose entries other rows or records refer to (``SharedRaggedStore``) sets ``moves_kept`` False.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class RaggedStore:
         self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
         self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
+        self.moves_kept = True  # decide_prefill moves survivors to their row's first ids (module docstring)
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
@@ -121,7 +129,8 @@ class RaggedStore:
         if n > self._top:
             raise StoreFull(f"ragged KV store: {n} entries asked, {self._top} free of {self.capacity}")
         self._top -= n
-        return self._free[self._top: self._top + n].flip(0).to(torch.int64)
+        # ascending: a prompt's rows read their entries forwards (freed ids come back in any order)
+        return torch.sort(self._free[self._top: self._top + n]).values.to(torch.int64)
 
     def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int) -> None:
         """Pushes ``ids[mask]`` (``count`` of them, known on the host) on the free list without reading the device:
@@ -249,7 +258,17 @@ class RaggedStore:
         indices = rule.indices.view(B, L, H, width).to(torch.int64)
         kept_ids = torch.where(indices >= 0, ids.gather(-1, indices.clamp(min=0)), 0)
         held = torch.arange(width, device=self.device) < lengths[..., None]
-        return self._commit(rows_host, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
+        if not self.moves_kept:
+            return self._commit(rows_host, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
+        # The survivors move into the row's first ids (their order kept), the row's last ids are freed: a row's
+        # entries stay as dense in the pool as its prompt's were, which decode's gathers read at every step.
+        moved = indices >= 0  # no host read (a mask's selection would be one): the rest copies the scratch entry
+        src, dst = torch.where(moved, kept_ids, self.scratch), torch.where(moved, ids, self.scratch)
+        for layer in range(L):  # a layer at a time: the copies' temporaries stay one layer's prompts
+            for pool in (self.k, self.v, self.scores):
+                pool[dst[:, layer]] = pool[src[:, layer]]  # the right side is a copy: overlapping ids are safe
+        return self._commit(rows_host, rows_dev, torch.where(moved, ids, 0), 0, ids, held & ~moved,
+                            rule.counts.view(B, L, H))
 
     def decide_decode(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
         """After a decode token per row: per (layer, head), the entry that left the window (logical position

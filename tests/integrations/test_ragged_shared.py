@@ -41,6 +41,7 @@ def test_a_new_row_adopts_the_full_prefix_another_rows_decisions_pruned():
     a = prefill(store, 0, [1, 2, 3, 4, 5, 6], scores)
     freed = store.decide_prefill([0], threshold=0.0, window=2)
     assert freed == L * H and store.soft == L * H  # the row let go of token 1's entries: recorded, so soft
+    assert store.row_entries(0, 1, 1).tolist() == a[1, 1, [0, 2, 3, 4, 5]].tolist()  # records refer to ids: none moved
     assert store.available == store.capacity - L * H * 6  # ... not back on the free list
     assert store.row_held(0) == L * H * 5
     accounted(store)

@@ -33,6 +33,7 @@ class Model:
                     for head in range(H):
                         held[layer][head].append(base + t)
                         store.k[new[layer, head, T + t], 0] = base + t  # the entry remembers its position
+                        store.v[new[layer, head, T + t], 0] = -(base + t)  # (decisions may move entries)
             self.logical[r] = base + n
             T += n
 
@@ -44,6 +45,7 @@ class Model:
                 for head in range(H):
                     ids = store.row_entries(r, layer, head)
                     assert store.k[ids, 0].tolist() == [float(p) for p in rows[layer][head]]
+                    assert store.v[ids, 0].tolist() == [-float(p) for p in rows[layer][head]]
                     assert int(store.lengths[store.slot_of[r], layer, head]) == len(rows[layer][head])  # device == host mirror
 
 
@@ -158,7 +160,6 @@ def test_batched_decisions_keep_what_request_state_keeps(requests, window, sink,
     store = RaggedStore(4000, L, H, D, rows=1, width=2)
     rows = list(range(1, requests + 1))
     states = {r: RequestState(policy, L, H) for r in rows}
-    position: dict[int, int] = {}  # entry id -> logical position
 
     def feed(counts, prefill):
         new = store.append(rows, counts)
@@ -167,9 +168,8 @@ def test_batched_decisions_keep_what_request_state_keeps(requests, window, sink,
         store.scores[new.reshape(-1)] = scores.reshape(-1)
         start = 0
         for r, n in zip(rows, counts):
-            for t in range(n):
-                for e in new[:, :, start + t].reshape(-1).tolist():
-                    position[e] = store.logical[r] - n + t
+            for t in range(n):  # each entry remembers its logical position (a decision may move entries)
+                store.k[new[:, :, start + t].reshape(-1), 0] = float(store.logical[r] - n + t)
             chunk = scores[:, :, start: start + n]
             if prefill is None:
                 states[r].append(chunk)
@@ -191,7 +191,7 @@ def test_batched_decisions_keep_what_request_state_keeps(requests, window, sink,
     for r in rows:
         for layer in range(L):
             for head in range(H):
-                mine = [position[e] for e in store.row_entries(r, layer, head).tolist()]
+                mine = [int(p) for p in store.k[store.row_entries(r, layer, head), 0].tolist()]
                 assert mine == states[r].kept_positions(layer, head).tolist(), (r, layer, head)
 
 
@@ -205,3 +205,34 @@ def test_decode_decisions_refuse_nothing_they_cannot_see():
     store.scores[new.reshape(-1)] = -5.0
     assert store.decide_decode([1], 0.0, window=3) == L * H  # position 0 left the window, scored below τ
     assert store.row_held(1) == 3 * L * H
+
+
+def test_a_prompt_decision_moves_the_survivors_to_the_rows_first_entries_and_frees_its_last():
+    """The decode path gathers each row's entries at every step: after a prompt's decision they stay as dense in the
+    pool as the prompt was (the survivors, in order, in the row's first ids; K, V and scores moved with them), and the
+    next prompt takes what was freed in ascending order."""
+    store = RaggedStore(200, L, H, D)
+    new = store.append([1], [8])  # ascending, contiguous ids per (layer, head)
+    assert all(torch.equal(new[layer, head], new[layer, head].sort().values) for layer in range(L) for head in range(H))
+    scores = torch.randn(L, H, 8, generator=torch.Generator().manual_seed(3))
+    scores[0, 0] = torch.tensor([5.0, -1, -1, 5, -1, 5, -1, -1])  # window 2 keeps positions 6, 7
+    store.scores[new.reshape(-1)] = scores.reshape(-1)
+    data = torch.arange(new.numel(), dtype=torch.float32).view(L, H, 8)
+    store.k[new.reshape(-1), 0], store.v[new.reshape(-1), 1] = data.reshape(-1), -data.reshape(-1)
+    freed = store.decide_prefill([1], 0.0, window=2)
+    kept_all = 0
+    for layer in range(L):
+        for head in range(H):
+            kept = [p for p in range(8) if p >= 6 or scores[layer, head, p] >= 0]
+            kept_all += len(kept)
+            ids = store.row_entries(1, layer, head)
+            assert ids.tolist() == new[layer, head, : len(kept)].tolist()  # the row's first ids
+            assert store.k[ids, 0].tolist() == data[layer, head, kept].tolist()
+            assert store.v[ids, 1].tolist() == (-data[layer, head, kept]).tolist()
+            assert torch.equal(store.scores[ids], scores[layer, head, kept])
+    assert freed == L * H * 8 - kept_all and store.available == store.capacity - kept_all
+    assert store.row_entries(1, 0, 0).numel() == 5  # positions 0, 3, 5 and the window's 6, 7
+    later = store.append([2], [3])  # a prompt reuses the freed ids, ascending
+    assert all(torch.equal(later[layer, head], later[layer, head].sort().values) for layer in range(L) for head in range(H))
+    held = {e for layer in range(L) for head in range(H) for e in store.row_entries(1, layer, head).tolist()}
+    assert held.isdisjoint(later.reshape(-1).tolist())

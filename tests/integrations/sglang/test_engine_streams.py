@@ -97,6 +97,21 @@ def test_ragged_mode_shares_prompts_exactly_in_a_pool_its_tree_must_make_room_in
     assert max(r["cached_tokens"] or 0 for r in out["stream"]) > 0
 
 
+def test_ragged_mode_without_the_radix_cache_moves_survivors_and_still_gives_kvpress_tokens(qwen3, tmp_path):
+    """The radix cache off (the long-prompt benchmark's setting): each prompt decision moves its survivors into its
+    row's first ids (``RaggedStore.moves_kept``) and a pool of five requests' worth (sixteen requests, up to eight
+    running) makes later prompts take the ids earlier ones freed. Every output equals kvpress's tokens, nothing came from a cache, and decode steps still read
+    tensor values a constant number of times."""
+    model, bundle = qwen3
+    out, expected = concurrent_reference_stream(model, bundle, "ragged", tmp_path, pool_requests=5,
+                                                disable_radix_cache=True)
+    assert out["engine"]["resolved"]["disable_radix_cache"] is True
+    assert [r["output_ids"] for r in out["stream"]] == expected
+    assert all(not r["cached_tokens"] for r in out["stream"])
+    forward, step_end = decode_host_reads(out)
+    assert len(forward) == 1 and step_end <= 3, (forward, step_end)
+
+
 def test_under_the_overlap_scheduler_every_repeat_of_a_prompt_in_a_burst_takes_it_from_the_cache(qwen3, tmp_path):
     """The overlap scheduler forms a batch before it inserts the last one's prompts into the radix tree; KVzap's glue
     holds a request that shares a prefix with a prefill in flight out of that one formation
