@@ -9,7 +9,7 @@ import click
 
 
 def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json,
-                   require: tuple[str, ...] = (), chunk_size: int | None = None) -> None:
+                   require: tuple[str, ...] = (), chunk_size: int | None = None, radix_cache: bool = True) -> None:
     from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
 
@@ -25,8 +25,11 @@ def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, dev
         if show:
             click.echo(f"engine level: starting {engine} ({mode} mode) with the kvzap plugin; this takes a minute", err=True)
 
+    engine_args = {"chunked_prefill_size": chunk_size} if chunk_size else {}
+    if not radix_cache:
+        engine_args["disable_radix_cache"] = True
     result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line,
-                              on_start=on_start, engine_args={"chunked_prefill_size": chunk_size} if chunk_size else None)
+                              on_start=on_start, engine_args=engine_args or None)
     report = write_engine_report(bundle, result)
     if as_json:
         click.echo(json.dumps(result, indent=2))

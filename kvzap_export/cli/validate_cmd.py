@@ -48,10 +48,14 @@ import click
 @click.option("--chunk-size", default=None, type=click.IntRange(min=1), metavar="N",
               help="With --engine: SGLang's prefill chunk (--chunked-prefill-size), tokens per chunk; a prompt longer "
                    "than N is prefilled in several chunks and decided at its last (default: SGLang's own size).")
+@click.option("--no-radix-cache", is_flag=True,
+              help="With --engine: SGLang's radix cache off (ragged mode runs with it on by default, sharing cached "
+                   "prompts' entries; mask and evict mode always run with it off). Validates the setting a deployment "
+                   "without prefix caching serves with.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
-             prompts_file, max_new_tokens, chunk_size, quiet, as_json) -> None:
+             prompts_file, max_new_tokens, chunk_size, no_radix_cache, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -75,6 +79,8 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
     levels = parse_levels(require)
     if chunk_size is not None and engine is None:
         raise ConfigError(f"--chunk-size {chunk_size}: it sets the serving engine's prefill chunk; add --engine sglang")
+    if no_radix_cache and engine is None:
+        raise ConfigError("--no-radix-cache: it turns the serving engine's radix cache off; add --engine sglang")
     if engine is not None:
         from kvzap_export.cli.engine_report import run_engine_cli
 
@@ -82,7 +88,7 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
             raise ConfigError(f"--require {require}: with --engine only the engine level runs; require engine, or "
                               "validate the other levels without --engine")
         run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet,
-                       as_json, levels, chunk_size)
+                       as_json, levels, chunk_size, radix_cache=not no_radix_cache)
         return
     if "engine" in levels:
         raise ConfigError("--require engine: the engine level runs only with --engine sglang --model DIR; add them, "

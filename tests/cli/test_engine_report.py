@@ -77,7 +77,7 @@ def test_require_engine_follows_the_engine_level(bundle, monkeypatch, capsys):
     assert "only the engine level runs" in capsys.readouterr().err
 
 
-def test_chunk_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys):
+def test_chunk_size_and_the_radix_cache_go_to_the_engine_and_need_it(bundle, monkeypatch, capsys):
     seen = {}
 
     def fake(*args, **kwargs):
@@ -92,3 +92,12 @@ def test_chunk_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys)
     assert main(["validate", str(bundle), "--chunk-size", "64"]) == 2  # without --engine: nothing runs
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--chunk-size 64" in err and "--engine sglang" in err
+    assert main(["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle),
+                 "--no-radix-cache", "--chunk-size", "64", "--json"]) == 0
+    assert seen["engine_args"] == {"chunked_prefill_size": 64, "disable_radix_cache": True}
+    assert main(["validate", str(bundle), "--engine", "sglang", "--model", str(bundle), "--json"]) == 0
+    assert seen["engine_args"] is None  # the engine's own settings (ragged mode: its radix cache on)
+    capsys.readouterr()
+    assert main(["validate", str(bundle), "--no-radix-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--no-radix-cache" in err and "--engine sglang" in err
