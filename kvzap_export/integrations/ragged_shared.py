@@ -32,10 +32,11 @@ from kvzap_export.integrations.ragged_store import RaggedStore, upload
 class SharedRaggedStore(RaggedStore):
     """A ``RaggedStore`` whose entries rows and engine slots can share (module docstring)."""
 
+    moves_kept = False  # records and other rows refer to entry ids: a decision never moves an entry
+
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  *, slots: int = 16, **kwargs):
         super().__init__(capacity, num_layers, num_kv_heads, head_dim, v_head_dim, **kwargs)
-        self.moves_kept = False  # records and other rows refer to entry ids: a decision never moves an entry
         self.rowref = torch.zeros(capacity + 1, dtype=torch.int32, device=self.device)
         self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
         self.slot_entries = torch.zeros(max(slots, 1), num_layers, num_kv_heads, dtype=torch.int32, device=self.device)

@@ -70,6 +70,8 @@ class StoreFull(RuntimeError):
 class RaggedStore:
     """The pool and the request rows (see the module docstring)."""
 
+    moves_kept = True  # decide_prefill moves survivors to their row's first ids (module docstring)
+
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  *, rows: int = 4, width: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -97,7 +99,6 @@ class RaggedStore:
         self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
         self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
-        self.moves_kept = True  # decide_prefill moves survivors to their row's first ids (module docstring)
 
     # ---- the pool ------------------------------------------------------------------------------
     @property

@@ -100,8 +100,8 @@ def test_ragged_mode_shares_prompts_exactly_in_a_pool_its_tree_must_make_room_in
 def test_ragged_mode_without_the_radix_cache_moves_survivors_and_still_gives_kvpress_tokens(qwen3, tmp_path):
     """The radix cache off (the long-prompt benchmark's setting): each prompt decision moves its survivors into its
     row's first ids (``RaggedStore.moves_kept``) and a pool of five requests' worth (sixteen requests, up to eight
-    running) makes later prompts take the ids earlier ones freed. Every output equals kvpress's tokens, nothing came from a cache, and decode steps still read
-    tensor values a constant number of times."""
+    running) makes later prompts take the ids earlier ones freed. Every output equals kvpress's tokens, nothing came
+    from a cache, and decode steps still read tensor values a constant number of times."""
     model, bundle = qwen3
     out, expected = concurrent_reference_stream(model, bundle, "ragged", tmp_path, pool_requests=5,
                                                 disable_radix_cache=True)
