@@ -22,9 +22,12 @@
 #      against eager, and its parts - front, K/V write, scoring, attention, back, decisions - each in its own graph,
 #      naming the kernel).
 # Then scripts/gpu_check_summary.py writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.md (every figure with the
-# device name) and sets the exit status: 0 when every check passed, 1 when one failed, 3 when nothing failed but a
-# step did not run (its time ran out, a tool is missing), 2 for usage or no GPU. Performance targets are reported
-# as met / missed beside the checks; they do not set the exit status.
+# device name) and sets the exit status: 0 (PASSED) only when every check ran and passed, 1 (FAILED) when one
+# failed, 3 (INCOMPLETE) when nothing failed but something did not run, for any reason (each listed, with why, at
+# the top of gpu-check.md, never shown passed: a step skipped, cut by the budget, missing here or not recorded; a
+# test skipped; validate's own exit 3, e.g. the model level without the model, so with the bundles above a run is
+# at best INCOMPLETE; a benchmark row skipped; a target not measured), 2 for usage or no GPU. Performance targets
+# are reported as met / missed beside the checks; met / missed does not set the exit status.
 #
 # Optional, by environment:
 #   KVZAP_WHEELS=DIR            wheels installed (pip --no-index --no-deps --target) before anything runs, e.g.

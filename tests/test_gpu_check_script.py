@@ -37,47 +37,81 @@ def test_usage_without_outdir():
     assert done.returncode == 2 and "OUTDIR" in done.stdout
 
 
-def _write_run(out: Path, *, sanitizer_errors=0, validate_verdict="incomplete", pytest_failures=0, rc_bench="0",
-               ragged_exact=True, not_run=(), skip_reason=None, ragged_step="bench_ragged_decode\tskipped\t0\t1") -> None:
-    not_run = list(not_run)
+GPU = "NVIDIA H100 80GB HBM3"
+STEPS = ("build_cuda_library", "bench_ragged_decode", "validate_1", "pytest_kernels", "pytest_gpu", "sanitizer_memcheck",
+         "bench_kernels", "bench_cuda")
+
+
+def _write_run(out: Path, *, steps=None, sanitizer_errors=0, validate_verdict="passed", not_run=(), pytest_failures=0,
+               skip_reason=None, ragged_exact=True, ragged=None, bench=None, kernel_impls=("cuda", "triton"),
+               sanitizer_log=None, bundles=True) -> None:
+    """The files of a run where every step ran and every check passed; the keywords break one part of it.
+    ``steps``: NAME -> "rc\tseconds\tcut" (None: the row is absent); ``ragged`` / ``bench``: keys replaced in the
+    ragged report / bench's results."""
     out.mkdir()
-    (out / "steps.tsv").write_text("build_cuda_library\t0\t8\nvalidate_1\t3\t40\npytest_gpu\t0\t60\n"
-                                   f"sanitizer_memcheck\t0\t70\nbench_kernels\t0\t30\nbench_cuda\t{rc_bench}\t80\n"
-                                   f"{ragged_step}\n")
-    (out / "bundles.tsv").write_text("validate_1\t/nowhere/b32\n")
+    validate_rc = {"passed": "0", "failed": "1", "incomplete": "3"}[validate_verdict]
+    rows = {name: "0\t30\t0" for name in STEPS} | {"validate_1": f"{validate_rc}\t40\t0"} | (steps or {})
+    (out / "steps.tsv").write_text("".join(f"{name}\t{row}\n" for name, row in rows.items() if row is not None))
+    if bundles:
+        (out / "bundles.tsv").write_text("validate_1\t/nowhere/b32\n")
     (out / "validate_1.json").write_text(json.dumps({
         "verdict": validate_verdict, "failed": [] if validate_verdict != "failed" else ["operator:surrogate_layer_002"],
-        "not_run": [{"check": "model:compacted_vs_kvpress", "level": "model"}] + not_run, "device": {"kind": "cuda"},
+        "not_run": list(not_run), "device": {"kind": "cuda"},
         "checks": [{"name": "operator:surrogate_layer_000", "status": "passed", "detail": {"bound_used": {"torch": 0.05, "onnxrt": 0.06}}}]}))
-    cases = "".join(f'<testcase classname="t" name="c{i}"/>' for i in range(3))
-    if skip_reason:
-        cases += f'<testcase classname="t" name="s"><skipped message="{skip_reason}"/></testcase>'
-    failure = '<testcase classname="t" name="bad"><failure message="x"/></testcase>' if pytest_failures else ""
-    (out / "pytest-gpu.xml").write_text(f'<testsuites><testsuite tests="{3 + pytest_failures}" failures="{pytest_failures}" '
-                                        f'errors="0" skipped="0">{cases}{failure}</testsuite></testsuites>')
-    (out / "sanitizer_memcheck.log").write_text("check: the Triton kernels exactly equal the reference on GPU X\n"
-                                                f"========= ERROR SUMMARY: {sanitizer_errors} errors\n")
-    (out / "bench-kernels.json").write_text(json.dumps({"meta": {"device": "NVIDIA H100 80GB HBM3"}, "rows": [
-        {"benchmark": "compaction", "impl": "cuda", "seq": 131072, "speedup": 6.1},
-        {"benchmark": "compaction", "impl": "triton", "seq": 131072, "speedup": 7.0}]}))
-    (out / "bench-cuda.json").write_text(json.dumps({"machine": "NVIDIA H100 80GB HBM3", "results": {"overhead": [
-        {"benchmark": "overhead", "phase": "decode", "variant": "mlp", "kv_len": 32768, "overhead_graphed_time_pct": 7.5},
-        {"benchmark": "overhead", "phase": "prefill", "variant": "mlp", "q_len": 32768, "compaction": "Triton fused launcher",
-         "overhead_time_pct": 1.6}]}}))
+    for name in ("pytest-gpu.xml", "pytest-kernels.xml"):
+        cases = "".join(f'<testcase classname="t" name="c{i}"/>' for i in range(3))
+        if skip_reason and name == "pytest-gpu.xml":
+            cases += f'<testcase classname="t" name="s"><skipped message="{skip_reason}"/></testcase>'
+        if pytest_failures and name == "pytest-gpu.xml":
+            cases += '<testcase classname="t" name="bad"><failure message="x"/></testcase>'
+        skips = int(bool(skip_reason and name == "pytest-gpu.xml"))
+        (out / name).write_text(f'<testsuites><testsuite tests="{3 + skips + pytest_failures}" failures="{pytest_failures}" '
+                                f'errors="0" skipped="{skips}">{cases}</testsuite></testsuites>')
+    (out / "sanitizer_memcheck.log").write_text(sanitizer_log if sanitizer_log is not None else
+                                                "check: the Triton kernels and the CUDA kernels of /x/libkvzap_kernels.so "
+                                                f"exactly equal the reference on GPU X\n========= ERROR SUMMARY: {sanitizer_errors} errors\n")
+    (out / "bench-kernels.json").write_text(json.dumps({"meta": {"device": GPU}, "rows": [
+        {"benchmark": "compaction", "impl": impl, "seq": 131072, "speedup": speedup}
+        for impl, speedup in (("cuda", 6.1), ("triton", 7.0)) if impl in kernel_impls]}))
+    results = {"scoring": [{"benchmark": "scoring", "backend": "torch_graphed", "median_s": 1e-5}],
+               "compaction": [{"benchmark": "compaction", "seq": 4096, "backend": "cuda_kernel", "median_s": 1e-5}],
+               "overhead": [
+                   {"benchmark": "overhead", "phase": "decode", "variant": "mlp", "kv_len": 32768, "overhead_graphed_time_pct": 7.5},
+                   {"benchmark": "overhead", "phase": "prefill", "variant": "mlp", "q_len": 32768,
+                    "compaction": "Triton fused launcher", "overhead_time_pct": 1.6}],
+               "e2e": [{"benchmark": "e2e", "tokens_per_s": 50.0}]} | (bench or {})
+    (out / "bench-cuda.json").write_text(json.dumps({"machine": GPU, "results": results}))
     (out / "ragged-decode.json").write_text(json.dumps({
-        "device": "NVIDIA H100 80GB HBM3", "errors": [], "replay": None,
-        "exactness": [{"device": "NVIDIA H100 80GB HBM3", "kernel": "sglang-flattened", "max_abs_err": 1e-3, "passed": ragged_exact}],
-        "attention": [{"device": "NVIDIA H100 80GB HBM3", "batch": 16, "seq": 32768, "pruned": 0.7, "ratio": 0.4}],
-        "layer": [], "targets": [{"device": "NVIDIA H100 80GB HBM3", "name": "attention batch 16 T 32768 pruned 0.7: "
-                                  "ragged/dense <= 0.5", "value": 0.4, "limit": 0.5, "passed": True}]}))
+        "device": GPU, "errors": [], "skipped": [],
+        "exactness": [{"device": GPU, "kernel": "sglang-flattened", "max_abs_err": 1e-3, "passed": ragged_exact}],
+        "attention": [{"device": GPU, "batch": 16, "seq": 32768, "pruned": 0.7, "ratio": 0.4}],
+        "layer": [{"device": GPU, "batch": 16, "seq": 32768, "pruned": 0.7, "ratio": 0.6}],
+        "replay": {"device": GPU, "kernel": "sglang-step", "bookkeeping_equal": True, "passed": True},
+        "parts": [{"device": GPU, "part": "attention", "time_us": 100.0}],
+        "targets": [{"device": GPU, "name": "attention batch 16 T 32768 pruned 0.7: ragged/dense <= 0.5", "value": 0.4,
+                     "limit": 0.5, "passed": True}]} | (ragged or {})))
+
+
+def _summary(out: Path) -> tuple[int, dict, str]:
+    code = gpu_check_summary.main([str(out)])
+    return code, json.loads((out / "gpu-check.json").read_text()), (out / "gpu-check.md").read_text()
+
+
+def test_a_run_where_everything_ran_and_passed(tmp_path):
+    _write_run(tmp_path / "out")
+    code, summary, md = _summary(tmp_path / "out")
+    assert code == 0 and summary["verdict"] == "passed" and summary["failed"] == [] and summary["not_run"] == []
+    assert all(c["status"] == "passed" for c in summary["checks"]) and "–" not in md.split("## Figures")[0]
+    assert {c["check"] for c in summary["checks"]} >= {f"step:{name}" for name in STEPS}
+    assert md.startswith("# GPU check: PASSED")
 
 
 def test_summary_of_a_run_whose_checks_passed_but_a_step_did_not_run(tmp_path, capsys):
-    _write_run(tmp_path / "out")
-    assert gpu_check_summary.main([str(tmp_path / "out")]) == 3  # the ragged step ran out of budget
-    summary = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    _write_run(tmp_path / "out", steps={"bench_ragged_decode": "skipped\t0\t1"})
+    code, summary, md = _summary(tmp_path / "out")
+    assert code == 3  # the ragged step ran out of budget
     assert summary["verdict"] == "incomplete" and summary["failed"] == [] and summary["not_run"] == ["step:bench_ragged_decode"]
-    assert all(f["device"] == "NVIDIA H100 80GB HBM3" for f in summary["figures"]) and summary["figures"]
+    assert all(f["device"] == GPU for f in summary["figures"]) and summary["figures"]
     targets = {t["target"]: t["met"] for t in summary["targets"]}
     assert targets["cuda fused compaction vs torch reference at 131072 tokens"] is True
     assert targets["decode at 32768: MLP scoring + decision / attention block (CUDA graphs)"] is False  # 7.5% > 5%
@@ -85,25 +119,69 @@ def test_summary_of_a_run_whose_checks_passed_but_a_step_did_not_run(tmp_path, c
     assert targets["attention batch 16 T 32768 pruned 0.7: ragged/dense <= 0.5"] is True
     validate = next(c for c in summary["checks"] if c["check"].startswith("validate"))
     assert validate["status"] == "passed" and validate["surrogate_bound_used_max"] == 0.06
-    md = (tmp_path / "out" / "gpu-check.md").read_text()
-    assert md.startswith("# GPU check: INCOMPLETE") and "MISSED" in md and "NVIDIA H100 80GB HBM3" in md
+    assert md.startswith("# GPU check: INCOMPLETE") and "MISSED" in md and GPU in md
+    assert "- step:bench_ragged_decode: the time budget was spent" in md.split("## Checks")[0]
+    assert "- – step:bench_ragged_decode" in md and "✓ step:bench_ragged_decode" not in md
 
 
-@pytest.mark.parametrize("partial", [
-    {"not_run": [{"check": "operator:threshold_compaction_plugin", "level": "operator"}]},
-    {"skip_reason": "needs a CUDA GPU; none is visible to torch on this machine"},
-    {"ragged_step": "bench_ragged_decode\t124\t40\t1"},  # stopped by the overall budget, not its own limit
-    {"ragged_step": "bench_ragged_decode\tmissing\t0\t0"},
+VALIDATE_MODEL_NOT_RUN = {"validate_verdict": "incomplete",
+                          "not_run": [{"check": "model:compacted_vs_kvpress", "level": "model", "reason": "no model here"}]}
+
+
+@pytest.mark.parametrize("partial, item, why", [
+    ({"validate_verdict": "incomplete", "not_run": [{"check": "operator:threshold_compaction_plugin", "level": "operator",
+                                                     "reason": "onnxruntime-extensions is not installed"}]},
+     "validate --device cuda /nowhere/b32: checks that did not run", "onnxruntime-extensions is not installed"),
+    (VALIDATE_MODEL_NOT_RUN, "step:validate_1", "exit 3"),  # validate's "incomplete" is not a pass
+    (VALIDATE_MODEL_NOT_RUN, "validate --device cuda /nowhere/b32: checks that did not run", "model:compacted_vs_kvpress"),
+    ({"skip_reason": "needs a CUDA GPU; none is visible to torch on this machine"}, "pytest -m gpu", "needs a CUDA GPU"),
+    ({"skip_reason": "TensorRT is not installed"}, "pytest -m gpu", "t.s: TensorRT is not installed"),  # any reason
+    ({"steps": {"bench_ragged_decode": "124\t40\t1"}}, "step:bench_ragged_decode", "time budget ran out"),
+    ({"steps": {"bench_ragged_decode": "missing\t0\t0"}}, "step:bench_ragged_decode", "not on this machine"),
+    ({"steps": {"pytest_kernels": None}}, "step:pytest_kernels", "not in steps.tsv"),  # a step always run, not recorded
+    ({"steps": {"sanitizer_memcheck": "missing\t0\t0"}, "sanitizer_log": "compute-sanitizer is not on PATH\n"},
+     "step:sanitizer_memcheck", "compute-sanitizer is not on PATH"),  # its log holds the reason, not a summary
+    ({"sanitizer_log": "check: the Triton kernels (CUDA library not loaded) exactly equal the reference on X\n"
+                       "========= ERROR SUMMARY: 0 errors\n", "kernel_impls": ("triton",)},
+     "compute-sanitizer memcheck: the CUDA kernels", "Triton kernels only"),
+    ({"kernel_impls": ("triton",)}, "bench_kernels.py: the cuda kernels", "no rows"),
+    ({"kernel_impls": ("triton",)}, "target: cuda fused compaction vs torch reference at 131072 tokens", "not measured"),
+    ({"bench": {"e2e": [{"benchmark": "e2e", "skipped": "the e2e suite did not run: it needs the model"}]}},
+     "kvzap-export bench --device cuda: rows that did not run", "e2e: the e2e suite did not run"),
+    ({"bench": {"compaction": [{"benchmark": "compaction", "seq": 4096, "backend": "onnxruntime_plugin",
+                                "skipped": "onnxruntime-extensions is not installed"}]}},
+     "kvzap-export bench --device cuda: rows that did not run", "compaction: onnxruntime-extensions is not installed"),
+    ({"ragged": {"parts": [], "skipped": ["parts batch 16 T 32768 pruned 0.7: time budget"]}}, "ragged rows skipped",
+     "parts batch 16 T 32768 pruned 0.7: time budget"),
+    ({"ragged": {"parts": []}}, "ragged section parts", "no rows"),
+    ({"ragged": {"replay": None}}, "ragged section replay", "no rows"),
+    ({"ragged": {"partial": True}}, "ragged benchmark's end", "partial"),
+    ({"ragged": {"targets": [{"device": GPU, "name": "layer batch 64 T 32768 pruned 0.7 (graphed step): ragged/dense <= 0.8",
+                              "value": None, "limit": 0.8, "passed": None}]}},
+     "target: layer batch 64 T 32768 pruned 0.7 (graphed step): ragged/dense <= 0.8", "not measured"),
+    ({"bundles": False}, "validate --device cuda", "no BUNDLE was given"),
 ])
-def test_what_did_not_run_is_never_counted_as_passed(tmp_path, partial):
+def test_what_did_not_run_is_never_counted_as_passed(tmp_path, partial, item, why):
     _write_run(tmp_path / "out", **partial)
-    assert gpu_check_summary.main([str(tmp_path / "out")]) == 3
-    summary = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
-    assert summary["verdict"] == "incomplete" and summary["failed"] == [] and summary["not_run"]
+    code, summary, md = _summary(tmp_path / "out")
+    assert code == 3 and summary["verdict"] == "incomplete" and summary["failed"] == [] and item in summary["not_run"]
+    top, checks = md.split("## Checks")
+    assert top.startswith("# GPU check: INCOMPLETE") and "Did not run" in top
+    assert any(line.startswith(f"- {item}: ") and why in line for line in top.splitlines())  # listed, with its reason
+    assert f"✓ {item}:" not in md and f"- met: {item}" not in md
+    if not item.startswith("target: "):
+        assert f"- – {item}: " in checks
+
+
+def test_a_test_that_failed_beside_one_skipped_fails_the_check_and_names_the_skip(tmp_path):
+    _write_run(tmp_path / "out", skip_reason="TensorRT is not installed", pytest_failures=1)
+    code, summary, _ = _summary(tmp_path / "out")
+    check = next(c for c in summary["checks"] if c["check"] == "pytest -m gpu")
+    assert code == 1 and check["status"] == "failed" and "TensorRT is not installed" in check["detail"]
 
 
 def test_a_step_past_its_own_limit_failed(tmp_path):
-    _write_run(tmp_path / "out", ragged_step="bench_ragged_decode\t124\t150\t0")
+    _write_run(tmp_path / "out", steps={"bench_ragged_decode": "124\t150\t0"})
     assert gpu_check_summary.main([str(tmp_path / "out")]) == 1
 
 
@@ -120,7 +198,7 @@ def test_a_non_empty_outdir_or_a_non_bundle_is_refused_before_anything_runs(tmp_
 
 
 @pytest.mark.parametrize("broken", [{"sanitizer_errors": 2}, {"validate_verdict": "failed"}, {"pytest_failures": 1},
-                                    {"rc_bench": "124"}, {"ragged_exact": False}])
+                                    {"steps": {"bench_cuda": "124\t150\t0"}}, {"ragged_exact": False}])
 def test_any_failed_check_fails_the_run(tmp_path, broken):
     _write_run(tmp_path / "out", **broken)
     assert gpu_check_summary.main([str(tmp_path / "out")]) == 1
