@@ -114,27 +114,20 @@ def _prefill_compactions(device: str, seq: int, dtype) -> dict:
 
 def _decision(device: str, dtype, cache: int, layers: int):
     """The per-step decision over ``layers`` layers' rows (batch 1 x 8 KV heads each), in place, as the engine runs
-    it: one call per layer."""
+    it: one ``decode_decision.decide_table`` call over the [1, layers, heads, cache] table (``RaggedStore.decide_decode``)."""
     from kvzap_export.kernels import decode_decision
 
     gen = torch.Generator().manual_seed(1)
     entries = KV_HEADS * cache
     scores = (torch.randn(entries, generator=gen) * 2 - 4).to(device, dtype)
     ids = torch.stack([torch.randperm(entries, generator=gen).view(KV_HEADS, cache)
-                       for _ in range(layers)]).to(device, torch.int32)
-    lengths = torch.full((layers, KV_HEADS), cache, dtype=torch.int32, device=device)
-    leaving = torch.ones(KV_HEADS, dtype=torch.int32, device=device)
-    freed = torch.empty(KV_HEADS, dtype=torch.int32, device=device)
-    if device == "cuda":
-        def run():
-            for layer in range(layers):
-                decode_decision.launch_decide_leaving(scores, ids[layer], lengths[layer], leaving, THRESHOLD, WINDOW, freed)
-        return "Triton kernel", run
+                       for _ in range(layers)])[None].to(device, torch.int32)
+    lengths = torch.full((1, layers, KV_HEADS), cache, dtype=torch.int32, device=device)
+    slots, leaving = torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int32, device=device)
 
-    def run_torch():
-        for layer in range(layers):
-            decode_decision.decide_leaving(scores, ids[layer], lengths[layer], leaving, THRESHOLD, WINDOW)
-    return "torch formula (engines' CPU path)", run_torch
+    def run():
+        decode_decision.decide_table(scores, ids, lengths, slots, leaving, THRESHOLD, WINDOW)
+    return ("Triton kernel" if device == "cuda" else "torch formula (engines' CPU path)"), run
 
 
 def _timer(cuda: bool):

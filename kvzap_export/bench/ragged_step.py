@@ -11,9 +11,10 @@ CPU tensors in float32).
   int32 entry ids per head; the token's K/V and its surrogate score written at preallocated entry ids, the token
   appended to its rows, attention through the given ``attend(q, k, v, ids, lengths, scale)`` callable (the torch
   formula of ``kernels.ragged_attention``; ``StepAttention``: the engine's path, ``kernels.flattened_step``), then
-  the decision for the entry leaving the ``WINDOW``-token window (``kernels.decode_decision``: its Triton kernels on
-  CUDA, its torch formulas elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on
-  the free stack and the next step's ids popped. All on the device, no read-back: a step can be captured in a CUDA
+  the decision for the entry leaving the ``WINDOW``-token window through the engine's own call
+  (``kernels.decode_decision.decide_table``, what ``RaggedStore.decide_decode`` runs: its Triton kernel on CUDA, its
+  torch formula elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on the free
+  stack and the next step's ids popped (``recycle``: the store's ``push`` and ``pop``). All on the device, no read-back: a step can be captured in a CUDA
   graph.
 
 Defaults are Llama-3.1-8B's shapes in bf16 on CUDA (the module constants below); every one is a parameter.
@@ -200,7 +201,8 @@ class RaggedState:
         self.free = self.free.to(torch.int32)
         self.top = torch.full((1,), E - total, dtype=torch.int64, device=device)
         self.fresh = torch.zeros(B, H, dtype=torch.int32, device=device)
-        self.leaving = torch.ones(B * H, dtype=torch.int32, device=device)  # every row appends a token per step
+        self.slots = torch.arange(B, device=device)  # the table slots deciding: every request, every step
+        self.leaving = torch.ones(B, dtype=torch.int32, device=device)  # every row appends a token per step
         self.freed = torch.full((B * H,), -1, dtype=torch.int32, device=device)  # a decision's evicted id per row
         decode_decision.recycle(self.freed, self.free, self.top, self.fresh)  # the first step's ids
 
@@ -232,16 +234,13 @@ def ragged_score(layer: Layer, st: RaggedState, h) -> None:
 
 def ragged_decide(st: RaggedState, tau: float, use_triton: bool | None = None) -> None:
     """The entry that left the window (row index length - window - 1; undecided entries are all held) tested against
-    tau and removed from its row if evicted, evicted ids pushed on the free stack, the next step's ids popped
-    (``kernels.decode_decision``: its two Triton kernels by default on CUDA, its torch formulas elsewhere)."""
-    B, H, W = st.ids.shape
-    ids, lengths = st.ids.view(B * H, W), st.lengths.view(B * H)
-    if st.ids.is_cuda if use_triton is None else use_triton:
-        decode_decision.launch_decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW, st.freed)
-        decode_decision.launch_recycle(st.freed, st.free, st.top, st.fresh)
-    else:
-        st.freed.copy_(decode_decision.decide_leaving(st.scores, ids, lengths, st.leaving, tau, WINDOW))
-        decode_decision.recycle(st.freed, st.free, st.top, st.fresh)
+    tau and removed from its row if evicted, evicted ids pushed on the free stack, the next step's ids popped: the
+    engine's calls (``decode_decision.decide_table`` over the [B, 1, H, W] table, as ``RaggedStore.decide_decode``;
+    ``recycle``, the store's push and pop); ``use_triton``: decide_table's path (default: the kernel on CUDA)."""
+    freed = decode_decision.decide_table(st.scores, st.ids[:, None], st.lengths[:, None], st.slots, st.leaving, tau,
+                                         WINDOW, use_triton)
+    st.freed.copy_(freed.view(-1))
+    decode_decision.recycle(st.freed, st.free, st.top, st.fresh)
 
 
 def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float, use_triton: bool | None = None):

@@ -24,10 +24,42 @@ from torch.overrides import TorchFunctionMode
 ENV = "KVZAP_COUNT_HOST_READS"
 _READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
           torch.Tensor.__index__, torch.Tensor.numpy}
+# Calls whose result's size depends on the values: the host waits for the device to learn it (a read on a GPU).
+_SIZED_BY_VALUES = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.unique,
+                    torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.masked_select,
+                    torch.Tensor.masked_select, torch.bincount, torch.Tensor.bincount}
+# Indexing calls that sync when an index is a boolean mask (it is turned into the positions it selects).
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put,
+             torch.index_put}
+
+
+def _bool_index(index) -> bool:
+    if isinstance(index, torch.Tensor):
+        return index.dtype in (torch.bool, torch.uint8)
+    if isinstance(index, (tuple, list)):
+        return any(_bool_index(i) for i in index)
+    return False
+
+
+def syncs(func, args, kwargs) -> bool:
+    """Whether the call makes the host wait for tensor values: a read into Python (``_READS``), a result sized by the
+    values (``nonzero``, ``unique``, ``masked_select``, ...), indexing with a boolean mask, ``torch.where`` with the
+    condition alone, ``repeat_interleave`` with tensor repeats and no ``output_size``."""
+    if func in _READS or func in _SIZED_BY_VALUES:
+        return True
+    if func in _INDEXING:
+        return len(args) > 1 and _bool_index(args[1])
+    if func is torch.where:
+        return len(args) + len(kwargs) == 1
+    if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and kwargs.get("output_size") is None
+    return False
 
 
 class HostReads(TorchFunctionMode):
-    """Counts value reads (see the module docstring) made while it is active."""
+    """Counts value reads (see the module docstring), and the other calls that wait for values (``syncs``), made while
+    it is active."""
 
     def __init__(self):
         super().__init__()
@@ -35,7 +67,7 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _READS or (func in (torch.Tensor.to, torch.Tensor.cpu) and _device_to_host(func, args, kwargs)):
+        if syncs(func, args, kwargs) or (func in (torch.Tensor.to, torch.Tensor.cpu) and _device_to_host(func, args, kwargs)):
             self.count += 1
         return func(*args, **kwargs)
 
@@ -54,7 +86,8 @@ def _device_to_host(func, args, kwargs) -> bool:
 class Transfers(TorchFunctionMode):
     """Counts the host<->device transfers OUR code asks for while active, both directions (a test probe):
 
-    - ``reads``: value reads into Python (``HostReads``' list: a device -> host copy and a wait on a GPU);
+    - ``reads``: value reads into Python and the calls that wait for values (``syncs``: boolean-mask indexing,
+      ``nonzero``, ``unique``, ...: a device -> host copy and a wait on a GPU);
     - ``moves``: every ``.to(...)`` naming a device, ``.cpu()``, ``.cuda()``, every non-blocking ``copy_`` and every
       ``copy_`` between devices (dtype-only ``.to`` is no move).
 
@@ -76,7 +109,7 @@ class Transfers(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _PACKAGE in sys._getframe(1).f_code.co_filename:
-            if func in _READS:
+            if syncs(func, args, kwargs):
                 self.reads += 1
             elif func in (torch.Tensor.cpu, torch.Tensor.cuda) or (func is torch.Tensor.to and _names_device(args, kwargs)):
                 self.moves += 1

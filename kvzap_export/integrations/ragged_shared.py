@@ -13,7 +13,8 @@ What it adds to ``RaggedStore``:
   its own row instead of computing them again, and then decides on every entry as its own prompt's;
 - **reference counts**: ``rowref`` int32 [capacity + 1] counts the rows that hold an entry, ``recorded`` marks
   the entries a record holds. An entry goes back to the free list when neither holds it. An entry a record holds
-  and no row does is **soft** (``soft``: how many, exact on the host): the decisions of every request that read
+  and no row does is **soft** (``soft``: how many; counted on the device, learned by the host like the free count,
+  ``ragged_mirror.py``): the decisions of every request that read
   it evicted it. Soft entries are room: ``reclaimable`` counts them, and ``drop_records`` turns a record's soft
   entries back into free ones (the engine then knows that record's token no longer holds a full prefix).
 
@@ -33,6 +34,7 @@ class SharedRaggedStore(RaggedStore):
     """A ``RaggedStore`` whose entries rows and engine slots can share (module docstring)."""
 
     moves_kept = False  # records and other rows refer to entry ids: a decision never moves an entry
+    counts_releases = False  # a release's entries may turn soft instead of free: the host learns the count later
 
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  *, slots: int = 16, **kwargs):
@@ -41,11 +43,11 @@ class SharedRaggedStore(RaggedStore):
         self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
         self.slot_entries = torch.zeros(max(slots, 1), num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
         self.slot_has = torch.zeros(max(slots, 1), dtype=torch.bool, device=self.device)
-        self.soft = 0  # entries a record holds and no row does
         self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
         self.reclaimer = None  # callable(short): frees at least ``short`` more entries (the engine's prefix cache)
         self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
+        self.reclaims = 0  # allocations that found too few free entries and took soft ones back (the engine's count)
         self.dropped_prompts = 0  # rows whose records ``drop_unanchored`` ended before the engine cached them
         self.held_requests = 0  # waiting requests the engine's glue held for a prefill in flight (SGLang: ragged_radix)
         # node of the engine's prefix cache on a path a request was admitted with -> its soft entries, until the
@@ -60,6 +62,19 @@ class SharedRaggedStore(RaggedStore):
         self.unanchored: dict[int, tuple[int, torch.Tensor]] = {}
 
     # ---- accounting --------------------------------------------------------------------------------
+    @property
+    def soft(self) -> int:
+        """Entries a record holds and no row does (``soft_counter`` on the device; on the host a lower bound until the
+        snapshots of earlier decisions and releases are applied, like ``available``)."""
+        self.mirror.sync()
+        return max(self.mirror.soft, 0)
+
+    def _soft_change(self, n: int) -> None:
+        """``n`` entries (known on the host) stopped (n < 0) or started being soft."""
+        if n:
+            self.mirror.soft_changed(n)
+            self.soft_counter.add_(n)
+
     @property
     def reclaimable(self) -> int:
         """Entries an allocation can get: the free ones and the soft ones (``drop_records`` frees those), less the
@@ -91,8 +106,10 @@ class SharedRaggedStore(RaggedStore):
 
     def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
         need = self.num_layers * self.num_kv_heads * sum(counts)
-        if need > self.available and self.reclaimer is not None:  # soft entries were counted as room: take them back
-            self.reclaimer(need - self.available)
+        if need > self.available:
+            self.exact()  # the host's free count is a lower bound: learn the exact one before taking anything back
+            if need > self.available and self.reclaimer is not None:  # soft entries were counted as room: take them back
+                self.reclaimer(need - self.available)
         return super().append(rows, counts)
 
     def _take(self, n: int) -> torch.Tensor:
@@ -100,19 +117,22 @@ class SharedRaggedStore(RaggedStore):
         self.rowref[new] = 1
         return new
 
-    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> None:
         """Rows let go of ``ids[mask]``: each loses a reference; entries no row and no record holds are freed,
-        entries only a record holds become soft. Reads the device once (which entries reached 0)."""
-        if count == 0:
-            return
+        entries only a record holds become soft. On the device alone (the caller takes the snapshot): two rows may let
+        go of one entry in one call, so the entries that reached 0 are sorted and each pushed once."""
         ids, mask = ids.reshape(-1).to(torch.int64), mask.reshape(-1)
+        if ids.numel() == 0:
+            return
         self.rowref.index_add_(0, ids, -mask.to(torch.int32))
-        zero = torch.unique(ids[mask & (self.rowref[ids] == 0)])  # two rows may let go of one entry in one call
-        soft = self.recorded[zero]
-        became_soft = int(soft.sum())
-        self.soft += became_soft
-        self._push(zero[~soft])
-        if became_soft and self.pending:
+        beyond = self.capacity + 1  # sorts after every entry id: not an entry that reached 0
+        zero = torch.sort(torch.where(mask & (self.rowref[ids] == 0), ids, beyond)).values
+        once = (zero < beyond) & torch.cat([zero.new_ones(1, dtype=torch.bool), zero[1:] != zero[:-1]])
+        zero = zero.clamp(max=self.capacity)
+        soft = once & self.recorded[zero]
+        self.soft_counter.add_(soft.sum())
+        super()._give(zero, once & ~soft)
+        if self.pending:
             # a row let go between an admission and its adoption (SGLang's priority preemption: the admitted request
             # will adopt what the preempted one held): what is set aside is each admitted node's soft entries now
             self.set_aside(dict(self.pending_slots))
@@ -121,7 +141,7 @@ class SharedRaggedStore(RaggedStore):
         """Puts ``ids`` (no row, no record holds them) on the free list."""
         n = int(ids.numel())
         if n:
-            super()._give(ids, torch.ones_like(ids, dtype=torch.bool), n)
+            super()._give(ids, torch.ones_like(ids, dtype=torch.bool), n)  # a number the host knows
 
     def release(self, row: int) -> int:
         self.dense_len.pop(row, None)
@@ -154,8 +174,7 @@ class SharedRaggedStore(RaggedStore):
         slots = slots.to(self.device, torch.int64)
         start = 0
         for r, n in zip(rows, counts):
-            held = self.lengths_host[self.slot_of[r]] if r in self.slot_of else None
-            dense = held is not None and bool((held == self.logical[r]).all())
+            dense = r in self.slot_of and r not in self.decided  # no decision has tested it: it holds every token
             ok.append(n > 0 and dense and r not in exclude and self.dense_len.get(r, 0) == self.logical[r] - n)
             if ok[-1]:
                 self.dense_len[r] = self.logical[r]
@@ -189,7 +208,7 @@ class SharedRaggedStore(RaggedStore):
         self.slot_has[slots] = False
         self.recorded[ids] = False
         free = ids[self.rowref[ids] == 0]
-        self.soft -= int(free.numel())
+        self._soft_change(-int(free.numel()))
         self._push(free)
         return int(free.numel())
 
@@ -258,11 +277,12 @@ class SharedRaggedStore(RaggedStore):
         self._ensure(len(self.slot_of) + 1, p)
         slot = self.slot_of[row] = self._free_slots.pop()
         self.ids[slot, :, :, :p] = ids.to(torch.int32)
+        self.mirror.took_slot(row)
         self.lengths[slot] = p
-        self.lengths_host[slot] = p
+        self.host_lengths[slot] = p
         self.logical[row] = self.dense_len[row] = self.adopted[row] = p
         flat = ids.reshape(-1)
-        self.soft -= int((self.rowref[flat] == 0).sum())
+        self._soft_change(-int((self.rowref[flat] == 0).sum()))
         self.rowref.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def clear_records(self) -> None:

@@ -12,8 +12,9 @@ The pool, ``capacity`` entries (one entry = one token of one KV head of one laye
   ``scratch``, is no entry: the writes of a CUDA graph's padding rows land there and nothing reads it;
 - ``scores`` [capacity + 1]: the surrogate score of the entry's (token, layer, head), kept until a decision tests
   it (in the model's dtype: kvpress compares in it);
-- a free list: a stack of entry ids (``available`` is O(1)), plus one spare slot that masked writes land in; an
-  append takes the top of the stack in ascending order, so each (layer, head) of a prompt gets ascending ids.
+- a free list: a stack of entry ids on the device (``top``, an int64 [1] device tensor: ``kernels.decode_decision``'s
+  ``push`` / ``pop``), plus one spare slot that masked writes land in; an append takes the top of the stack in
+  ascending order, so each (layer, head) of a prompt gets ascending ids.
 
 The rows: a table per request that holds entries (SGLang's ``req_pool_idx`` maps to a table slot, taken at its
 first entry and given back at its release, so the tables follow the requests held, not the engine's row count):
@@ -21,17 +22,21 @@ first entry and given back at its release, so the tables follow the requests hel
 - ``ids`` int32 [slots, L, H, width]: each (request, layer, head)'s entry ids in ascending logical positions
   (columns past the row's length are 0, a valid id, so gathers of padding read something harmless); slots and
   width grow on demand, by a quarter at a time (width up to the longest row held so far; they never shrink);
-- ``lengths`` int32 [slots, L, H] on the pool's device, mirrored on the host (``lengths_host``), so that a
-  step's widths are known before its forward without reading the device;
+- ``lengths`` int32 [slots, L, H] on the pool's device, mirrored on the host (``lengths_host``: an upper bound, exact
+  once the decisions' snapshots are applied), so that a step's widths are known before its forward without reading
+  the device;
 - ``logical`` (host): tokens appended per request row; ``tested`` (host): positions already decided on.
 
 Host -> device copies (a step's slots, counts, positions) go through ``upload``: one copy per call, from pinned
-memory and non-blocking on CUDA. Device -> host: one read of the new lengths per decision.
+memory and non-blocking on CUDA. Device -> host: none in a decision or a release; the host learns their results from
+snapshots (``ragged_mirror.py``): ``available`` is a lower bound of the free entries until then.
 
 Decisions follow kvpress ``DMSPress`` (DESIGN.md): strict ``score < threshold`` evicts, the last ``window``
 logical positions and the first ``sink`` are kept. ``decide_prefill`` tests every entry of a (dense) prompt;
 ``decide_decode`` tests, per (layer, head), the one entry that left the window at this decode step (kvpress
-``decoding=True``: each token is tested once, when it leaves the window).
+``decoding=True``: each token is tested once, when it leaves the window) through ``kernels.decode_decision`` (the
+rule's device implementation: its Triton kernel on CUDA, its torch formula elsewhere). Both return the entries freed
+as a device tensor (reading it is the caller's host read).
 
 Locality: decode attention on the CPU gathers every row's entries at every step, and a gather of entries
 scattered over the pool costs more per entry than one of a dense run. So ``decide_prefill`` moves a prompt's
@@ -47,6 +52,8 @@ import logging
 import torch
 
 from kvzap_export.errors import InputError
+from kvzap_export.integrations.ragged_mirror import HostMirror
+from kvzap_export.kernels import decode_decision
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class RaggedStore:
     """The pool and the request rows (see the module docstring)."""
 
     moves_kept = True  # decide_prefill moves survivors to their row's first ids (module docstring)
+    counts_releases = True  # a release of a row whose lengths the host knows pushes a number the host knows
 
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  *, rows: int = 4, width: int = 16, dtype: torch.dtype = torch.float32,
@@ -90,26 +98,42 @@ class RaggedStore:
         # Top of the stack = the end; the first ids taken are 0, 1, 2, ... (ascending, contiguous).
         self._free = torch.cat([torch.arange(capacity - 1, -1, -1, dtype=torch.int32),
                                 torch.zeros(1, dtype=torch.int32)]).to(self.device)
-        self._top = capacity
+        self.top = torch.full((1,), capacity, dtype=torch.int64, device=self.device)
+        self.soft_counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # SharedRaggedStore's soft entries
+        self.mirror = HostMirror(self, capacity)
         self.ids = torch.zeros(rows, num_layers, num_kv_heads, width, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
-        self.lengths_host = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)
+        self.host_lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)  # see lengths_host
         self.slot_of: dict[int, int] = {}  # request row -> its table slot
         self._free_slots = list(range(rows - 1, -1, -1))
         self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
+        self.decided: set[int] = set()  # request rows a decision has tested (no longer known to hold every token)
         self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
     def available(self) -> int:
-        """Free entries."""
-        return self._top
+        """Free entries: exact once the snapshots of earlier decisions and releases are applied, a lower bound before
+        (``ragged_mirror.py``; on the CPU they are applied here)."""
+        self.mirror.sync()
+        return self.mirror.top
 
     @property
     def held(self) -> int:
-        """Entries handed out (read from the free list, not from the rows)."""
-        return self.capacity - self._top
+        """Entries handed out (read from the free list, not from the rows; an upper bound like ``available``)."""
+        return self.capacity - self.available
+
+    @property
+    def lengths_host(self) -> torch.Tensor:
+        """int64 [slots, L, H] on the host: ``lengths``' mirror, an upper bound of it until the snapshots of the
+        decisions are applied (``ragged_mirror.py``)."""
+        self.mirror.sync()
+        return self.host_lengths
+
+    def exact(self) -> None:
+        """Waits for every pending snapshot: ``available`` and ``lengths_host`` are then exact (a host read)."""
+        self.mirror.wait()
 
     @property
     def rows(self) -> list[int]:
@@ -120,31 +144,34 @@ class RaggedStore:
         """Bytes of each tensor the store allocated: K, V, scores, row tables (ids, lengths), free list."""
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         return {"k": size(self.k), "v": size(self.v), "scores": size(self.scores), "row_tables": size(self.ids) + size(self.lengths)
-                + size(self.lengths_host), "free_list": size(self._free)}
+                + size(self.host_lengths), "free_list": size(self._free)}
 
     def table_bytes(self) -> int:
         """Bytes of the row tables' ids (what grows with the rows held and their width)."""
         return self.ids.numel() * self.ids.element_size()
 
-    def _take(self, n: int) -> torch.Tensor:
-        if n > self._top:
-            raise StoreFull(f"ragged KV store: {n} entries asked, {self._top} free of {self.capacity}")
-        self._top -= n
-        # ascending: a prompt's rows read their entries forwards (freed ids come back in any order)
-        return torch.sort(self._free[self._top: self._top + n]).values.to(torch.int64)
+    def _room(self, n: int) -> None:
+        """Raises ``StoreFull`` unless ``n`` entries are free (waits for pending snapshots when the lower bound is short)."""
+        if n > self.available:
+            self.mirror.wait()
+            if n > self.mirror.top:
+                raise StoreFull(f"ragged KV store: {n} entries asked, {self.mirror.top} free of {self.capacity}")
 
-    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int) -> None:
-        """Pushes ``ids[mask]`` (``count`` of them, known on the host) on the free list without reading the device:
-        masked-out ids are written to the spare slot past the stack."""
-        if count == 0:
-            return
-        if self._top + count > self.capacity:
-            raise RuntimeError(f"ragged KV store: freeing {count} entries would exceed the capacity {self.capacity}")
-        mask = mask.reshape(-1)
-        where = torch.cumsum(mask, 0, dtype=torch.int64) - 1 + self._top
-        where = torch.where(mask, where, self.capacity)
-        self._free.index_put_((where,), ids.reshape(-1).to(torch.int32))
-        self._top += count
+    def _take(self, n: int) -> torch.Tensor:
+        self._room(n)
+        fresh = torch.empty(n, dtype=torch.int32, device=self.device)
+        decode_decision.pop(self._free, self.top, fresh)
+        self.mirror.popped(n)
+        # ascending: a prompt's rows read their entries forwards (freed ids come back in any order)
+        return torch.sort(fresh).values.to(torch.int64)
+
+    def _give(self, ids: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> None:
+        """Pushes ``ids[mask]`` on the free list without reading the device (masked-out ids go to the spare slot past
+        the stack). ``count``: how many, when the host knows it; otherwise the caller marks its device work for the
+        host's next snapshot (``ragged_mirror.py``)."""
+        decode_decision.push(torch.where(mask.reshape(-1), ids.reshape(-1).to(torch.int32), -1), self._free, self.top)
+        if count is not None:
+            self.mirror.pushed(count)
 
     def _ensure(self, slots: int, width: int) -> None:
         """Grows the tables to at least ``slots`` slots and ``width`` columns, by a quarter at a time (the columns in
@@ -159,9 +186,9 @@ class RaggedStore:
         ids[:have_slots, :, :, :have_width] = self.ids
         lengths = self.lengths.new_zeros(new_slots, L, H)
         lengths[:have_slots] = self.lengths
-        host = self.lengths_host.new_zeros(new_slots, L, H)
-        host[:have_slots] = self.lengths_host
-        self.ids, self.lengths, self.lengths_host = ids, lengths, host
+        host = self.host_lengths.new_zeros(new_slots, L, H)
+        host[:have_slots] = self.host_lengths
+        self.ids, self.lengths, self.host_lengths = ids, lengths, host
         if self.table_budget is not None and self.table_bytes() > self.table_budget:
             log.warning("ragged KV store: the row tables (%d rows x %d columns, %.1f MB) outgrew the %.1f MB reserved "
                         "for them in the KV budget", new_slots, new_width, self.table_bytes() / 2**20,
@@ -177,13 +204,6 @@ class RaggedStore:
         """The table slots of request rows that hold entries, int64 on the pool's device (for ``ids[...]``)."""
         return upload(self.device, self.slots_host(rows))[0]
 
-    def _cells(self, slots: torch.Tensor, start: torch.Tensor, width: int) -> tuple:
-        """Index of columns ``start[b, l, h] ... + width`` of each (slot, layer, head): for ``ids[...]``."""
-        L, H = self.num_layers, self.num_kv_heads
-        return (slots[:, None, None, None], torch.arange(L, device=self.device)[None, :, None, None],
-                torch.arange(H, device=self.device)[None, None, :, None],
-                start[..., None] + torch.arange(width, device=self.device))
-
     # ---- a step's new tokens -------------------------------------------------------------------
     def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
         """Gives each row ``rows[b]`` one new entry per (layer, head) for each of its ``counts[b]`` new tokens, at the
@@ -198,25 +218,25 @@ class RaggedStore:
         total = sum(counts)
         if total == 0:
             return torch.zeros(L, H, 0, dtype=torch.int64, device=self.device)
-        if L * H * total > self._top:
-            raise StoreFull(f"ragged KV store: {L * H * total} entries asked, {self._top} free of {self.capacity}")
+        self._room(L * H * total)
         fresh = [r for r in rows if r not in self.slot_of]
         self._ensure(len(self.slot_of) + len(fresh), 1)
         for r in fresh:
             self.slot_of[r] = self._free_slots.pop()
+            self.mirror.took_slot(r)
         slots_host = self.slots_host(rows)
         n_host = torch.tensor(counts, dtype=torch.int64)
         self._ensure(0, int((self.lengths_host[slots_host].amax(dim=(1, 2)) + n_host).max()))  # one host read
         new = self._take(L * H * total).view(L, H, total)
-        token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host)  # [T] which request each token is
-        token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host)
+        token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host, output_size=total)  # [T] its request
+        token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host, output_size=total)
         slots, token_row, token_j, n = upload(self.device, slots_host, token_row, token_j, n_host)
         columns = self.lengths[slots][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
         layer = torch.arange(L, device=self.device)[:, None, None]
         head = torch.arange(H, device=self.device)[None, :, None]
         self.ids.index_put_((slots[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
         self.lengths[slots] += n.to(torch.int32)[:, None, None]
-        self.lengths_host[slots_host] += n_host[:, None, None]
+        self.host_lengths[slots_host] += n_host[:, None, None]
         for r, n in zip(rows, counts):
             self.logical[r] = self.logical.get(r, 0) + n
         return new
@@ -232,24 +252,24 @@ class RaggedStore:
         return self.lengths_host[self.slots_host(rows)].amax(dim=(0, 2)).tolist()
 
     # ---- decisions -------------------------------------------------------------------------------
-    def decide_prefill(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
+    def decide_prefill(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> torch.Tensor:
         """Tests every entry of each row's prompt (rows held densely: every head holds every token) with kvpress's
-        rule and keeps the survivors, in order. Returns the entries freed. One threshold pass for all rows."""
+        rule and keeps the survivors, in order. Returns the entries freed (a device tensor). One threshold pass for all
+        rows, no host read."""
         from kvzap_export.kernels.torch_ops import threshold_compaction
 
         if not rows:
-            return 0
+            return torch.zeros((), dtype=torch.int64, device=self.device)
         L, H = self.num_layers, self.num_kv_heads
-        rows_host = self.slots_host(rows)
-        logical = torch.tensor([self.logical.get(r, -1) for r in rows])
-        sparse = (self.lengths_host[rows_host] != logical[:, None, None]).flatten(1).any(1)
-        if bool(sparse.any()):
-            bad = [r for r, s in zip(rows, sparse.tolist()) if s]
+        bad = [r for r in rows if r in self.decided or r not in self.slot_of]
+        if bad:
             raise InputError(f"decide_prefill: rows {bad} are not held densely (a prompt is decided once, whole)")
         for r in rows:
             self.tested[r] = max(0, self.logical[r] - window)
+        self.decided.update(rows)
+        rows_host = self.slots_host(rows)
         rows_dev = upload(self.device, rows_host)[0]
-        width = int(self.lengths_host[rows_host].max())
+        width = max(self.logical[r] for r in rows)  # a dense row holds every token it appended
         ids = self.ids[rows_dev, :, :, :width].to(torch.int64)  # [B, L, H, W]
         lengths = self.lengths[rows_dev]
         B = len(rows)
@@ -259,8 +279,9 @@ class RaggedStore:
         indices = rule.indices.view(B, L, H, width).to(torch.int64)
         kept_ids = torch.where(indices >= 0, ids.gather(-1, indices.clamp(min=0)), 0)
         held = torch.arange(width, device=self.device) < lengths[..., None]
+        counts = rule.counts.view(B, L, H)
         if not self.moves_kept:
-            return self._commit(rows_host, rows_dev, kept_ids, 0, ids, held & ~keep, rule.counts.view(B, L, H))
+            return self._commit(rows, rows_dev, kept_ids, ids, held & ~keep, counts)
         # The survivors move into the row's first ids (their order kept), the row's last ids are freed: a row's
         # entries stay as dense in the pool as its prompt's were, which decode's gathers read at every step.
         moved = indices >= 0  # no host read (a mask's selection would be one): the rest copies the scratch entry
@@ -268,68 +289,69 @@ class RaggedStore:
         for layer in range(L):  # a layer at a time: the copies' temporaries stay one layer's prompts
             for pool in (self.k, self.v, self.scores):
                 pool[dst[:, layer]] = pool[src[:, layer]]  # the right side is a copy: overlapping ids are safe
-        return self._commit(rows_host, rows_dev, torch.where(moved, ids, 0), 0, ids, held & ~moved,
-                            rule.counts.view(B, L, H))
+        return self._commit(rows, rows_dev, torch.where(moved, ids, 0), ids, held & ~moved, counts)
 
-    def decide_decode(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> int:
+    def decide_decode(self, rows: list[int], threshold: float, window: int, sink: int = 0) -> torch.Tensor:
         """After a decode token per row: per (layer, head), the entry that left the window (logical position
         ``logical - window - 1``, row index ``length - window - 1``: positions not decided yet are all held) is
-        tested and, if evicted, removed. A row where no untested position left the window is skipped (a short row,
-        or no token since its last decision). Returns the entries freed."""
+        tested and, if evicted, removed (``decode_decision.decide_table``). A row where no untested position left the
+        window is skipped (a short row, or no token since its last decision). Returns the entries freed (a device
+        tensor). Host work: the rows' bookkeeping and one upload; no host read."""
         leaving = {r: self.logical.get(r, 0) - window - self.tested.get(r, 0) for r in rows}
         if any(m > 1 for m in leaving.values()):
             raise InputError(f"decide_decode: rows {[r for r, m in leaving.items() if m > 1]} moved more than one token "
                              "out of the window since their last decision (decide after every decode step)")
         rows = [r for r in rows if leaving[r] == 1]
         if not rows:
-            return 0
+            return torch.zeros((), dtype=torch.int64, device=self.device)
         for r in rows:
             self.tested[r] = self.tested.get(r, 0) + 1
-        rows_host = self.slots_host(rows)
-        rows_dev, position = upload(self.device, rows_host,
-                                    torch.tensor([self.logical[r] - window - 1 for r in rows], dtype=torch.int64))
-        lengths = self.lengths[rows_dev].to(torch.int64)  # [B, L, H]
-        start = lengths - window - 1
-        tail = self.ids[self._cells(rows_dev, start, window + 1)]  # [B, L, H, window + 1]
-        candidate = tail[..., 0].to(torch.int64)
-        evict = (self.scores[candidate] < threshold) & (position >= sink)[:, None, None]
-        shifted = torch.cat([tail[..., 1:], tail[..., -1:]], -1)
-        kept = torch.where(evict[..., None], shifted, tail)
-        return self._commit(rows_host, rows_dev, kept, start, candidate, evict, lengths - evict.to(torch.int64))
+        self.decided.update(rows)
+        outside_sink = torch.tensor([self.logical[r] - window - 1 >= sink for r in rows], dtype=torch.int64)
+        slots, outside_sink = upload(self.device, self.slots_host(rows), outside_sink)
+        freed = decode_decision.decide_table(self.scores, self.ids, self.lengths, slots, outside_sink, threshold, window)
+        gone = freed >= 0
+        self._give(torch.where(gone, freed, self.scratch), gone)
+        self.mirror.mark(rows)
+        return gone.sum()
 
-    def _commit(self, rows_host: torch.Tensor, rows_dev: torch.Tensor, kept: torch.Tensor, start, freed_ids: torch.Tensor,
-                freed_mask: torch.Tensor, counts: torch.Tensor) -> int:
-        """Writes a decision back: ``kept`` [B, L, H, W] into columns ``start ...`` of each row (``start`` 0 or
-        [B, L, H]), the new lengths, one push of the freed ids. Reads the new lengths back once (host mirror).
-        rows_host / rows_dev: the rows' table slots on the host and on the device."""
-        B, L, H, width = kept.shape
-        if isinstance(start, int):
-            self.ids[rows_dev, :, :, start: start + width] = kept.to(torch.int32)
-        else:
-            self.ids.index_put_(self._cells(rows_dev, start, width), kept.to(torch.int32))
+    def _commit(self, rows: list[int], rows_dev: torch.Tensor, kept: torch.Tensor, freed_ids: torch.Tensor,
+                freed_mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Writes a prompt decision back: ``kept`` [B, L, H, W] into each row's first columns, the new lengths, one
+        push of the freed ids; then a snapshot for the host. No host read. Returns the entries freed (a device
+        tensor)."""
+        self.ids[rows_dev, :, :, : kept.shape[-1]] = kept.to(torch.int32)
+        freed = (self.lengths[rows_dev].to(torch.int64) - counts).sum()
         self.lengths[rows_dev] = counts.to(torch.int32)
-        before = int(self.lengths_host[rows_host].sum())
-        self.lengths_host[rows_host] = counts.to("cpu", torch.int64)  # the step's one read of the device
-        freed = before - int(self.lengths_host[rows_host].sum())
-        self._give(freed_ids, freed_mask, freed)
+        self._give(freed_ids, freed_mask)
+        self.mirror.mark(rows)
         return freed
 
     # ---- releasing -------------------------------------------------------------------------------
-    def release(self, row: int) -> int:
-        """Frees every entry of row ``row`` (the request left it); returns how many. A row that holds nothing is
-        fine (a request that never ran a forward)."""
+    def release(self, row: int) -> int | None:
+        """Frees every entry of row ``row`` (the request left it), on the device. Returns how many when the host knows
+        it (its decisions' snapshots are applied; a ``SharedRaggedStore``'s entries may turn soft instead: never), else
+        None (the host learns it from a snapshot). A row that holds nothing is fine (a request that never ran a
+        forward)."""
+        self.mirror.sync()
+        exact = self.mirror.exact(row)
         self.tested.pop(row, None)
-        self.logical.pop(row, None)
+        logical = self.logical.pop(row, 0)
+        self.decided.discard(row)
+        self.mirror.dropped(row)
         slot = self.slot_of.pop(row, None)
         if slot is None:
             return 0
-        count = int(self.lengths_host[slot].sum())
-        width = int(self.lengths_host[slot].max())
+        width = min(logical, self.ids.shape[-1])  # no (layer, head) holds more than the tokens appended
         ids = self.ids[slot, :, :, :width]
         held = torch.arange(width, device=self.device) < self.lengths[slot][..., None]
+        # the host mirror's sum (a host tensor, no device read) when it is exact and the entries all go to the free list
+        count = int(self.host_lengths[slot].sum()) if exact and self.counts_releases else None
         self._give(ids, held, count)
+        if count is None:
+            self.mirror.mark()
         self.lengths[slot] = 0
-        self.lengths_host[slot] = 0
+        self.host_lengths[slot] = 0
         self._free_slots.append(slot)
         return count
 
@@ -339,7 +361,7 @@ class RaggedStore:
 
     # ---- views (tests, readings) -----------------------------------------------------------------
     def row_held(self, row: int) -> int:
-        """Entries row ``row`` holds (host mirror)."""
+        """Entries row ``row`` holds (the host mirror: exact once the snapshots of its decisions are applied)."""
         return int(self.lengths_host[self.slot_of[row]].sum()) if row in self.slot_of else 0
 
     def row_entries(self, row: int, layer: int, head: int) -> torch.Tensor:
@@ -347,4 +369,4 @@ class RaggedStore:
         if row not in self.slot_of:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         slot = self.slot_of[row]
-        return self.ids[slot, layer, head, : int(self.lengths_host[slot, layer, head])].to(torch.int64)
+        return self.ids[slot, layer, head, : int(self.lengths[slot, layer, head])].to(torch.int64)

@@ -8,16 +8,22 @@ position) the candidate is the entry at column ``c = lengths[r] - window - 1``; 
 column left, ``lengths[r]`` drops by one and ``freed[r]`` is the candidate's id; otherwise ``freed[r] = -1``.
 Rows shorter than ``window + 1`` are left alone.
 
-- ``decide_leaving``: the torch formula (any device; the CPU path, and the reference of the kernel);
-- ``launch_decide_leaving``: one Triton program per row, in place (a barrier between the row's loads and its
-  stores: the shift overlaps itself), no host sync, no allocation given ``freed``: what an engine captures in its
-  decode CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (tests).
+This module is the rule's device implementation, the one the engine runs (``RaggedStore.decide_decode``) and the
+benchmarks time (``bench/ragged_step.py``, ``bench/overhead.py``); its reference is kvpress's rule as
+``ops.compaction`` writes it (``RequestState``, ``RaggedStore.decide_prefill``), which the tests compare it with:
 
-What a decision frees goes back to a free stack on the device, and the next step's entry ids come from it, inside
-the same graph: ``recycle`` (the torch formula) and ``launch_recycle`` (one Triton program) push the freed ids
-(``freed[r] >= 0``) in row order on ``free[:top]`` and pop ``fresh.numel()`` ids from the new top
-(``fresh[i] = free[top' - n + i]``). ``free`` has one spare element past its capacity, which the formula writes for
-rows that freed nothing; the caller keeps at least ``n`` ids on the stack.
+- ``decide_leaving``: the torch formula over rows (any device; the CPU path);
+- ``launch_decide_leaving``: its Triton kernel, one program per row, in place (a barrier between the row's loads and
+  its stores: the shift overlaps itself), no host sync, no allocation given ``freed``: what a decode CUDA graph can
+  capture. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (tests);
+- ``decide_table``: either of them on the rows of chosen slots of a [slots, layers, heads, width] row table (the
+  store's): the kernel in place on the table, the formula on each row's tail.
+
+What a decision frees goes back to a free stack on the device, and entry ids come from it: ``push`` puts the freed ids
+(``freed >= 0``) in order on ``free[:top]``, ``pop`` takes ``n`` ids from the top (``fresh[i] = free[top - n + i]``),
+``recycle`` does both (a decode step: the freed ids, then the next step's). ``free`` has one spare element past its
+capacity, which ``push`` writes for the ids that are not freed; ``top`` is an int64 [1] device tensor; the caller keeps
+at least ``n`` ids on the stack. No host read: the host learns the new top when it asks (``RaggedStore``'s snapshots).
 """
 
 from __future__ import annotations
@@ -62,44 +68,47 @@ def decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tenso
     return torch.where(evict, candidate, -1).to(torch.int32)
 
 
-def recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
-    """The torch formula of the free stack's push and pop (module docstring): freed int32 [rows], free int32
-    [capacity + 1], top int64 [1], fresh int32 (any shape); all in place, no host read."""
+def push(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor) -> None:
+    """The free stack's push (module docstring): the ids ``freed >= 0`` (int32, any shape; -1: nothing) go on
+    ``free[top:]`` in their order, ``top`` (int64 [1]) grows by their number. In place, no host read."""
+    freed = freed.reshape(-1)
     gone = freed >= 0
     where = torch.where(gone, top + torch.cumsum(gone, 0) - 1, free.shape[0] - 1)  # the spare element: nothing freed
     free.index_put_((where,), freed.to(free.dtype))
     top.add_(gone.sum())
+
+
+def pop(free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
+    """The free stack's pop: ``fresh`` (int32, any shape, ``n`` elements) = ``free[top - n : top]``, ``top`` drops by
+    ``n``. The caller keeps at least ``n`` ids on the stack. In place, no host read."""
     n = fresh.numel()
     fresh.view(-1).copy_(free[top - n + torch.arange(n, device=top.device)])
     top.sub_(n)
 
 
+def recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
+    """A decode step's stack work: ``push`` the freed ids, then ``pop`` the next step's (pushed ids included)."""
+    push(freed, free, top)
+    pop(free, top, fresh)
+
+
 if triton is not None:
 
-    @triton.jit
-    def _recycle_kernel(freed_ptr, free_ptr, top_ptr, fresh_ptr, rows, n_fresh, ROWS: tl.constexpr,
-                        FRESH: tl.constexpr):
-        offs = tl.arange(0, ROWS)
-        freed = tl.load(freed_ptr + offs, mask=offs < rows, other=-1)
-        gone = freed >= 0
-        top = tl.load(top_ptr)
-        rank = tl.cumsum(gone.to(tl.int32), 0) - 1  # a freed id's place above the old top, in row order
-        tl.store(free_ptr + top + rank, freed, mask=gone)
-        new_top = top + tl.sum(gone.to(tl.int32), 0) - n_fresh
-        tl.debug_barrier()  # every push stored before any thread pops (a pop may read a pushed id); one block: on
-        # NVIDIA GPUs bar.sync orders its threads' global stores and loads (not checked on ROCm)
-        f = tl.arange(0, FRESH)
-        tl.store(fresh_ptr + f, tl.load(free_ptr + new_top + f, mask=f < n_fresh, other=0), mask=f < n_fresh)
-        tl.store(top_ptr, new_top)
-
-    @triton.jit(do_not_specialize=["window"])
-    def _decide_leaving_kernel(scores_ptr, ids_ptr, lengths_ptr, leaving_ptr, freed_ptr, threshold, window, stride_row,
-                               SPAN: tl.constexpr):
-        r = tl.program_id(0)
+    @triton.jit(do_not_specialize=["window", "per_slot"])
+    def _decide_leaving_kernel(scores_ptr, ids_ptr, lengths_ptr, leaving_ptr, freed_ptr, slots_ptr, threshold, window,
+                               stride_row, per_slot, SPAN: tl.constexpr, MAPPED: tl.constexpr):
+        p = tl.program_id(0)
+        if MAPPED:  # program p: row (p % per_slot) of table slot slots[p // per_slot]; leaving per slot
+            b = p // per_slot
+            r = tl.load(slots_ptr + b).to(tl.int64) * per_slot + p % per_slot
+            leave = tl.load(leaving_ptr + b)
+        else:
+            r = p.to(tl.int64)
+            leave = tl.load(leaving_ptr + p)
         length = tl.load(lengths_ptr + r)
         column = length - window - 1
-        row = ids_ptr + r.to(tl.int64) * stride_row
-        go = (tl.load(leaving_ptr + r) != 0) & (column >= 0)
+        row = ids_ptr + r * stride_row
+        go = (leave != 0) & (column >= 0)
         candidate = tl.load(row + tl.maximum(column, 0), mask=go, other=0)
         DTYPE: tl.constexpr = scores_ptr.dtype.element_ty
         score = tl.load(scores_ptr + candidate.to(tl.int64), mask=go, other=0.0)
@@ -112,40 +121,74 @@ if triton is not None:
         tl.debug_barrier()
         tl.store(row + column + offs, tail, mask=move)
         tl.store(lengths_ptr + r, tl.where(evict, length - 1, length))
-        tl.store(freed_ptr + r, tl.where(evict, candidate, -1))
+        tl.store(freed_ptr + p, tl.where(evict, candidate, -1))
+
+
+def _require_triton(what: str) -> None:
+    if triton is None:
+        from kvzap_export.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"{what} needs triton: pip install 'kvzap-export[gpu]'")
 
 
 def launch_decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, leaving: torch.Tensor,
                           threshold: float, window: int, freed: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of ``decide_leaving`` (same contract). ``ids`` int32 rows with contiguous columns, lengths
     int32, leaving int32/bool; ``freed``: an int32 [rows] buffer to fill (allocated when None)."""
-    if triton is None:
-        from kvzap_export.errors import MissingDependencyError
-
-        raise MissingDependencyError("the decode decision kernel needs triton: pip install 'kvzap-export[gpu]'")
+    _require_triton("the decode decision kernel")
     _check(scores, ids, lengths, leaving, window)
     if ids.dtype != torch.int32 or lengths.dtype != torch.int32 or ids.stride(1) != 1:
         raise InputError("decode decision kernel: ids and lengths int32, ids' columns contiguous")
     rows = ids.shape[0]
     freed = torch.empty(rows, dtype=torch.int32, device=ids.device) if freed is None else freed
     if rows:
-        span = max(16, triton.next_power_of_2(max(window, 1)))
-        _decide_leaving_kernel[(rows,)](scores, ids, lengths, leaving, freed, float(threshold), int(window),
-                                        ids.stride(0), SPAN=span)
+        _decide_leaving_kernel[(rows,)](scores, ids, lengths, leaving, freed, freed, float(threshold), int(window),
+                                        ids.stride(0), 1, SPAN=_span(window), MAPPED=False)
     return freed
 
 
-def launch_recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: torch.Tensor) -> None:
-    """The Triton kernel of ``recycle`` (same contract; contiguous int32 freed, free and fresh, int64 top): one
-    program, no host sync, no allocation."""
-    if triton is None:
-        from kvzap_export.errors import MissingDependencyError
+def _span(window: int) -> int:
+    return max(16, triton.next_power_of_2(max(window, 1)))
 
-        raise MissingDependencyError("the free stack kernel needs triton: pip install 'kvzap-export[gpu]'")
-    if not (freed.dtype == free.dtype == fresh.dtype == torch.int32 and top.dtype == torch.int64 and top.numel() == 1):
-        raise InputError("free stack kernel: freed, free and fresh int32, top int64 [1]")
-    if not (freed.is_contiguous() and free.is_contiguous() and fresh.is_contiguous()):
-        raise InputError("free stack kernel: freed, free and fresh contiguous")
-    rows, n = freed.numel(), fresh.numel()
-    _recycle_kernel[(1,)](freed, free, top, fresh, rows, n, ROWS=max(16, triton.next_power_of_2(max(rows, 1))),
-                          FRESH=max(16, triton.next_power_of_2(max(n, 1))))
+
+def decide_table(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                 leaving: torch.Tensor, threshold: float, window: int, use_triton: bool | None = None) -> torch.Tensor:
+    """The decode decision of the table slots ``slots`` (int64 [B], distinct, on the device) of a row table: ids int32
+    [S, L, H, W] and lengths int32 [S, L, H] (a ``RaggedStore``'s, or any [S, 1, H, W] batch), every (layer, head) row
+    of slot ``slots[b]`` deciding when ``leaving[b]`` (int/bool [B]) is set, in place. Returns ``freed`` int32
+    [B, L, H] (-1: nothing freed). No host read, no sort.
+
+    ``use_triton`` (default: CUDA tensors and Triton present): the kernel, in place on the table's rows (one program
+    per (slot, layer, head)); otherwise the torch formula ``decide_leaving`` over each row's last ``window + 1``
+    columns, gathered and written back."""
+    S, L, H, W = ids.shape
+    B = slots.shape[0]
+    if lengths.shape != (S, L, H) or leaving.shape != (B,) or slots.dim() != 1:
+        raise InputError(f"decide_table: ids [S, L, H, W], lengths [S, L, H], slots and leaving [B]; got "
+                         f"{list(ids.shape)}, {list(lengths.shape)}, {list(slots.shape)}, {list(leaving.shape)}")
+    if use_triton is None:
+        use_triton = ids.is_cuda and triton is not None
+    freed = torch.empty(B, L, H, dtype=torch.int32, device=ids.device)
+    if B == 0:
+        return freed
+    if use_triton:
+        _require_triton("the decode decision kernel")
+        if ids.dtype != torch.int32 or lengths.dtype != torch.int32 or not (ids.is_contiguous() and lengths.is_contiguous()):
+            raise InputError("decide_table: ids and lengths contiguous int32 tables")
+        _decide_leaving_kernel[(B * L * H,)](scores, ids, lengths, leaving, freed, slots, float(threshold), int(window),
+                                             W, L * H, SPAN=_span(window), MAPPED=True)
+        return freed
+    # The torch formula on each row's tail (the candidate and the window after it): columns past a short row's
+    # length are clamped to the table (they are read and written back unchanged: such a row does not decide).
+    held = lengths[slots].to(torch.int64)  # [B, L, H]
+    start = (held - window - 1).clamp(min=0)
+    columns = (start[..., None] + torch.arange(window + 1, device=ids.device)).clamp(max=W - 1)
+    cells = (slots[:, None, None, None], torch.arange(L, device=ids.device)[None, :, None, None],
+             torch.arange(H, device=ids.device)[None, None, :, None], columns)
+    tail = ids[cells].reshape(B * L * H, window + 1)
+    tail_len = (held - start).to(torch.int32).reshape(-1)
+    rows_leaving = leaving.reshape(B, 1).expand(B, L * H).reshape(-1)
+    freed.view(-1).copy_(decide_leaving(scores, tail, tail_len, rows_leaving, threshold, window))
+    ids.index_put_(cells, tail.view(B, L, H, window + 1))
+    lengths.index_put_((slots,), lengths[slots] - (freed >= 0).to(lengths.dtype))
+    return freed

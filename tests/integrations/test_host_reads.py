@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kvzap_export.integrations.host_reads import HostReads
+import pytest
+
+from kvzap_export.integrations.host_reads import HostReads, Transfers
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.kernels.ragged_attention import decode_attention
 
@@ -20,6 +23,61 @@ def test_the_counter_sees_every_kind_of_read():
         int(t[0]), bool(t[1]), float(t[2]), t.tolist(), t[3].item(), t.numpy(), [0, 1][t[1]]
         t.to(torch.float32), t + 1, t.cpu(), t.to("cpu")  # not reads (a host tensor's copy to the host is a no-op)
     assert mode.count == 7
+
+
+def test_the_counter_sees_the_calls_that_wait_for_values():
+    """Besides reads into Python: results sized by the values, boolean-mask indexing, ``where`` with the condition
+    alone, ``repeat_interleave`` with tensor repeats (``Transfers`` counts the same calls, made from our package);
+    not integer indexing, a three-argument ``where``, a sized ``repeat_interleave`` or arithmetic."""
+    t, mask = torch.arange(6), torch.arange(6) % 2 == 0
+    with HostReads() as mode:
+        t.nonzero(), torch.unique(t), t[mask], torch.masked_select(t, mask), torch.where(mask)
+        t.clone().index_put_((mask,), t[:3]), torch.repeat_interleave(t, t), t.bincount()
+        t[torch.tensor([0, 2])], torch.where(mask, t, 0), t.repeat_interleave(t, output_size=15), t + 1
+    assert mode.count == 8
+
+
+def _decided_store(shared: bool, requests: int = 3, layers: int = 2):
+    """A store (or a shared one: the radix cache's) with ``requests`` prompts appended, scored and decided, and a
+    decode token appended to each: the next call is the step end's decode decision."""
+    heads = 2
+    kwargs = {"slots": 64} if shared else {}
+    store = (SharedRaggedStore if shared else RaggedStore)(20000, layers, heads, 8, rows=requests, width=8, **kwargs)
+    rows = list(range(requests))
+    prompts = [20 + 7 * r for r in rows]
+    new = store.append(rows, prompts)
+    if shared:  # the prompts' tokens recorded (the radix cache's), so decisions turn some entries soft
+        store.record(rows, prompts, torch.arange(sum(prompts)), new)
+    store.scores.normal_(generator=torch.Generator().manual_seed(requests * 10 + layers))
+    return store, rows
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["radix-off", "radix-on"])
+def test_decisions_and_releases_make_no_host_read(shared):
+    """The step end's decisions (the prompts', then 12 decode steps') and a release run on the device alone: no read
+    into Python, no call that waits for values (on a GPU, a stall), whatever the batch; one upload each. The host
+    learns the results from the snapshot the next call applies: the free count is then the device's."""
+    for requests, layers in ((1, 1), (3, 2), (6, 3)):
+        store, rows = _decided_store(shared, requests, layers)
+        with Transfers() as prompt:
+            freed = store.decide_prefill(rows, 0.0, window=4)
+        assert (prompt.reads, prompt.moves) == (0, 1)
+        freed_total = int(freed)
+        for _ in range(12):
+            store.append(rows, [1] * len(rows))
+            with Transfers() as decode:
+                freed = store.decide_decode(rows, 0.0, window=4)
+            assert (decode.reads, decode.moves) == (0, 1), (requests, layers)
+            freed_total += int(freed)
+        assert 0 < freed_total
+        soft = store.soft if shared else 0
+        assert store.available + soft == int(store.top) + int(store.soft_counter)  # the host learnt the device's counts
+        assert store.held - soft == int(store.lengths.sum())
+        with Transfers() as release:
+            count = store.release(rows[0])
+        # radix off: the count the host knows, its mirror's sum (a host tensor: no device read, no wait)
+        assert (release.reads, release.moves) == ((0, 0) if shared else (1, 0)) and (count is None) == shared
+        assert store.held - (store.soft if shared else 0) == int(store.lengths.sum())
 
 
 def one_decode_step(layers: int, requests: int, grouped: list | None = None) -> int:

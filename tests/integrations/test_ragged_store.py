@@ -58,6 +58,7 @@ def test_store_matches_a_python_model_and_never_leaks(ops):
     model = Model()
     window = 3
     tested: dict[int, int] = {}  # row -> positions below it decided (the engine's order of events)
+    decided: set[int] = set()  # rows a decision has tested since they took their first entry
     for op, rows, n, seed in ops:
         g = torch.Generator().manual_seed(seed)
         if op == "append":
@@ -75,10 +76,11 @@ def test_store_matches_a_python_model_and_never_leaks(ops):
                 model.rows.pop(r, None)
                 model.logical.pop(r, None)
                 tested.pop(r, None)
+                decided.discard(r)
         else:
             rows = [r for r in rows if r in model.rows]
-            if op == "prefill":  # a decision over dense rows only (as the engine calls it)
-                rows = [r for r in rows if all(len(h) == model.logical[r] for layer in model.rows[r] for h in layer)]
+            if op == "prefill":  # a prompt is decided once, before any other decision (as the engine calls it)
+                rows = [r for r in rows if r not in decided]
             before = {r: [[list(h) for h in layer] for layer in model.rows[r]] for r in rows}
             scores = {}
             for r in rows:
@@ -89,6 +91,8 @@ def test_store_matches_a_python_model_and_never_leaks(ops):
             if op == "decode":  # the engine decides after every decode token: never more than one leaves at once
                 rows = [r for r in rows if model.logical[r] - window - tested.get(r, 0) <= 1]
             freed = (store.decide_prefill if op == "prefill" else store.decide_decode)(rows, 0.0, window)
+            decided.update(rows if op == "prefill" else
+                           [r for r in rows if model.logical[r] - window - tested.get(r, 0) == 1])
             expect = 0
             for r in rows:
                 for layer in range(L):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvzap_export.integrations.ragged_store import RaggedStore
-from kvzap_export.kernels.decode_decision import decide_leaving, launch_decide_leaving, launch_recycle, recycle
+from kvzap_export.kernels.decode_decision import decide_leaving, decide_table, launch_decide_leaving, recycle
 
 WINDOW = 128
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernel runs (compiled / interpreted)
@@ -88,9 +88,9 @@ def test_shapes_are_checked():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_free_stack_kernel_equals_the_formula_and_the_list_model(seed):
-    """Freed ids pushed in row order, then the next ids popped from the new top (pushed ids included): the kernel
-    and the formula give the same stack, top and ids, and both are what a Python list does."""
+def test_the_free_stack_is_a_stack(seed):
+    """Freed ids pushed in row order, then the next ids popped from the new top (pushed ids included): what a Python
+    list does."""
     g = torch.Generator().manual_seed(seed)
     rows, capacity, top = 37, 400, 150
     free = torch.randint(0, 10_000, (capacity + 1,), generator=g, dtype=torch.int32)
@@ -98,10 +98,41 @@ def test_the_free_stack_kernel_equals_the_formula_and_the_list_model(seed):
     freed[:2] = torch.tensor([-1, 5], dtype=torch.int32)
     stack = free[:top].tolist() + [i for i in freed.tolist() if i >= 0]
     want_fresh, stack = stack[-rows:], stack[:-rows]
-    a = (free.clone(), torch.tensor([top]), torch.zeros(rows, dtype=torch.int32))
-    recycle(freed, *a)
-    b = _on_kernel_device(freed, free.clone(), torch.tensor([top]), torch.zeros(rows, dtype=torch.int32))
-    launch_recycle(*b)
-    for got in (a, b[1:]):
-        assert int(got[1]) == len(stack) and got[0][: len(stack)].tolist() == stack
-        assert got[2].tolist() == want_fresh
+    top_t, fresh = torch.tensor([top]), torch.zeros(rows, dtype=torch.int32)
+    recycle(freed, free, top_t, fresh)
+    assert int(top_t) == len(stack) and free[: len(stack)].tolist() == stack
+    assert fresh.tolist() == want_fresh
+
+
+def _table(seed, slots=6, layers=3, heads=2, width=200, entries=4000):
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(entries, generator=g) * 2 - 4)
+    scores[::29] = float("nan")
+    ids = torch.randint(0, entries, (slots, layers, heads, width), generator=g, dtype=torch.int32)
+    lengths = torch.randint(WINDOW - 8, width + 1, (slots, layers, heads), generator=g, dtype=torch.int32)
+    lengths[0, 0] = torch.tensor([WINDOW, WINDOW + 1], dtype=torch.int32)  # too short, just long enough
+    return scores, ids, lengths
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decide_table_kernel_and_formula_equal_the_formula_row_by_row(seed):
+    """The engine's call on chosen slots of a row table: the Triton kernel in place (compiled on a GPU, interpreted
+    here) and the torch formula on the rows' tails both give what ``decide_leaving`` gives on every full row alone;
+    rows of other slots are untouched."""
+    scores, ids, lengths = _table(seed)
+    slots = torch.tensor([4, 0, 2])
+    leaving = torch.tensor([1, 1, 0], dtype=torch.int32)
+    want_ids, want_len = ids.clone(), lengths.clone()
+    want = torch.full((3, 3, 2), -1, dtype=torch.int32)
+    for b, slot in enumerate(slots.tolist()):
+        rows, row_len = want_ids[slot].view(6, -1), want_len[slot].view(6)
+        want[b] = decide_leaving(scores, rows, row_len, leaving[b].expand(6), -4.0, WINDOW).view(3, 2)
+    assert (want >= 0).any() and (want < 0).any()
+    for use_triton in (False, True):
+        got_ids, got_len = ids.clone(), lengths.clone()
+        k = _on_kernel_device(scores, got_ids, got_len, slots, leaving) if use_triton else (scores, got_ids, got_len, slots, leaving)
+        freed = decide_table(*k, -4.0, WINDOW, use_triton=use_triton)
+        assert torch.equal(freed.cpu(), want), use_triton
+        assert torch.equal(k[1].cpu(), want_ids) and torch.equal(k[2].cpu(), want_len), use_triton
+
+

@@ -223,7 +223,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
             out = {"head_slots_held": store.held - cached, "head_slots_free": store.available,
                    "head_slots_pool": store.capacity, "rows": len(store.logical)}
             if shared:
-                out.update(head_slots_cached=cached, cache_nodes_reclaimed=store.reclaimed_nodes,
+                out.update(head_slots_cached=cached, cache_reclaims=store.reclaims, cache_nodes_reclaimed=store.reclaimed_nodes,
                            cache_prompts_dropped=store.dropped_prompts, cache_holds=store.held_requests)
             budget = current_plan()
             if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated

@@ -183,6 +183,7 @@ def radix_cache_class():
             least recently used first (those nodes become broken), then the records of prompts not in the tree yet
             (under the overlap scheduler: ``SharedRaggedStore.drop_unanchored``)."""
             store, per_token = self.store, self.entries_per_token
+            store.reclaims += 1
             target = store.available + short
             allocator = self.token_to_kv_pool_allocator
             if self.evictable_size_ > 0:

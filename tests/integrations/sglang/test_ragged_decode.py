@@ -133,9 +133,10 @@ def test_a_decode_step_transfers_nothing_inside_the_forward_and_a_constant_aroun
     assert all(c == first for c in seen.values()), seen
     assert first["forward"] == (0, 0), first
     # before: the aux cache reads SGLang's two host lists and the store's host mirror (width, widths): 4 reads of
-    # host tensors (no transfer on a GPU); 2 uploads (the appended entries' layout, the slots). After: the decisions'
-    # one upload (slots, positions) and one read of the new lengths, plus 2 reads of the host mirror's sums.
-    assert first["prepare"] == (4, 2) and first["end"] == (2, 2), first
+    # host tensors (no transfer on a GPU), and the last step's snapshot (top, soft, the decided rows' lengths: one
+    # read of the pinned copy, ragged_mirror.py); 2 uploads (the appended entries' layout, the slots). After: the
+    # decisions' one upload (slots, which rows test) and no read: the decision runs on the device alone.
+    assert first["prepare"] == (5, 2) and first["end"] == (0, 1), first
 
 
 @pytest.mark.gpu
