@@ -39,11 +39,13 @@ from pathlib import Path
 # at the prompt's end); a spec's "engine" overrides any of these (the benchmark's "dense, radix" turns the radix
 # cache back on for SGLang without KVzap). Ragged mode runs with the radix cache on (RADIX_MODES); every mode with
 # SGLang's overlap scheduler on, its default (KVzap's step end runs before the next batch is prepared: plugin.py).
+# CUDA graphs: SGLang's defaults, except in the masking modes (NO_GRAPH_MODES), whose Python hooks graph replay
+# would skip; ragged mode replays decode graphs and turns SGLang's default prefill graphs off itself (plugin.py).
 BASE_ENGINE_ARGS = {
-    "disable_radix_cache": True, "page_size": 1,
-    "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
-    "log_level": "warning", "skip_server_warmup": True,
+    "disable_radix_cache": True, "page_size": 1, "log_level": "warning", "skip_server_warmup": True,
 }
+NO_GRAPH_MODES = ("evict", "mask")
+NO_GRAPHS = {"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}
 RADIX_MODES = ("ragged",)  # the modes that run with SGLang's radix cache on (the others need it off)
 MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
 GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"}  # dense: SGLang's default
@@ -65,6 +67,8 @@ def engine_args(spec: dict) -> dict:
         args["attention_backend"] = GPU_ATTENTION[spec["mode"]]
     if spec["mode"] in RADIX_MODES:  # SGLang's default: on (KVzap's tree shares prompts' per-head entries exactly)
         args["disable_radix_cache"] = False
+    if spec["mode"] in NO_GRAPH_MODES:
+        args.update(NO_GRAPHS)
     args.update(spec.get("engine") or {})
     return args
 

@@ -35,7 +35,7 @@ from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
-from kvzap_export.integrations.sglang.server_setup import ServerSetup, graphs_problem
+from kvzap_export.integrations.sglang.server_setup import ServerSetup, graphs_problem, prefill_graphs_default
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,8 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
         from kvzap_export.integrations.sglang import ragged
 
         ragged.register(register, kind, one_line)
+        resolution = sglang_module(api("register_resolution_hook").module)
+        resolution.register_resolution_hook("handle_cuda_graph_config")(prefill_graphs_default)
     if mode == "evict":
         warning = evict_frees_nothing(bundle, policy.get("threshold"))
         if warning:

@@ -6,12 +6,15 @@ AFTER hook on ``Scheduler.__init__``, before any request is served).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvzap_export.integrations.scoring import UNQUANTIZED_DTYPES
 from kvzap_export.integrations.sglang.api import sglang_module
+
+log = logging.getLogger(__name__)
 
 
 GRAPHS_PROBLEM = ("graphs are captured (add --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled: "
@@ -51,6 +54,25 @@ def graphs_problem(mode: str) -> str | None:
         return (f"decode graphs are captured with {ENV}=torch (add --cuda-graph-backend-decode disabled, or unset "
                 f"{ENV}: only the flattened decode path runs in graphs)")
     return None
+
+
+def prefill_graphs_default(server_args, previous) -> None:
+    """SGLang's ``handle_cuda_graph_config`` resolution step, wrapped for ragged mode (``register_resolution_hook``,
+    SGLang's extension point for its argument resolution): SGLang 0.5.23 captures breakable prefill graphs by default
+    on CUDA, which ragged mode cannot run (it lays each prompt out in Python), so a default launch turns them off here,
+    with one log line, instead of stopping. A prefill backend the user asked for is left alone (the launch check then
+    refuses it in one line). Decode graphs keep SGLang's setting: ragged mode replays them."""
+    previous(server_args)
+    overrides = sglang_module("sglang.srt.arg_groups.overrides")
+    graphs = sglang_module("sglang.srt.model_executor.cuda_graph_config")
+    config = overrides.resolving_view(server_args).cuda_graph_config
+    chosen = (graphs.Phase.PREFILL, "backend") in getattr(server_args, "_cuda_graph_config_locked", set())
+    if config is None or chosen or config.prefill.backend == graphs.Backend.DISABLED:
+        return
+    overrides.declare_resolution(server_args, "kvzap_ragged_prefill_graphs", cuda_graph_config=graphs.with_phase(
+        config, graphs.Phase.PREFILL, backend=graphs.Backend.DISABLED))
+    log.info("KVzap ragged mode: prefill CUDA graphs off (SGLang's default was %s; ragged mode lays each prompt out in "
+             "Python); decode graphs as SGLang set them", config.prefill.backend)
 
 
 RAGGED_TREE = "KVzapRaggedRadixCache"  # ragged_radix.py's tree (ragged mode's radix cache)

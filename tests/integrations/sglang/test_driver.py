@@ -3,7 +3,7 @@ needs, the attention backend per mode."""
 
 import pytest
 
-from kvzap_export.integrations.sglang.driver import BASE_ENGINE_ARGS, RADIX_MODES, engine_args
+from kvzap_export.integrations.sglang.driver import BASE_ENGINE_ARGS, NO_GRAPH_MODES, NO_GRAPHS, RADIX_MODES, engine_args
 
 
 @pytest.mark.parametrize("mode", ["ragged", "evict", "mask"])
@@ -15,6 +15,10 @@ def test_a_gpu_serves_bfloat16_unless_the_spec_asks(monkeypatch, mode):
     assert engine_args({"model": "m", "mode": mode, "dtype": "float32"})["dtype"] == "float32"  # validate's reference dtype
     radix = {"disable_radix_cache": mode not in RADIX_MODES}  # ragged mode runs SGLang's radix cache (KVzap's tree)
     assert all(args[k] == radix.get(k, v) for k, v in BASE_ENGINE_ARGS.items())
+    # CUDA graphs: SGLang's defaults in ragged mode (it replays decode graphs, turns default prefill graphs off
+    # itself); both phases off in the masking modes, whose Python hooks graph replay would skip
+    graphs = {k: args[k] for k in NO_GRAPHS if k in args}
+    assert graphs == (NO_GRAPHS if mode in NO_GRAPH_MODES else {}), graphs
 
 
 def test_the_cpu_engine_keeps_float32(monkeypatch):

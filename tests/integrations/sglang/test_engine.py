@@ -157,6 +157,31 @@ def test_wrong_server_settings_stop_the_launch_with_one_line(qwen3, mode, args, 
     assert all(text in line for text in named), line
 
 
+@pytest.mark.parametrize("mode, prefill, expected", [
+    ("ragged", None, "disabled"),  # SGLang's default on CUDA (breakable): ragged mode turns it off itself, one line
+    ("ragged", "breakable", "breakable"),  # asked for: left alone (the launch check above refuses it in one line)
+    ("evict", None, "breakable"),  # the masking modes leave SGLang's resolution alone (their launch check refuses)
+])
+def test_ragged_mode_turns_sglangs_default_prefill_graphs_off_in_its_argument_resolution(qwen3, mode, prefill, expected):
+    """SGLang's own argument resolution, with CUDA's default graph settings on this CPU machine and the plugin loaded
+    through its entry point: a default ragged launch resolves to prefill graphs off (with one log line) and decode
+    graphs as SGLang sets them; without KVzap's hook (the test's other cases) SGLang's breakable default stays."""
+    import subprocess
+    from pathlib import Path
+
+    from tests.conftest import sglang_python
+
+    model, bundle = qwen3
+    script = Path(__file__).with_name("graph_defaults_script.py")
+    done = subprocess.run([sglang_python(), str(script), str(bundle), str(model), mode] + ([prefill] if prefill else []),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["prefill"] == expected and out["decode"] == "full", out
+    turned_off = [line for line in out["log"] if "prefill CUDA graphs off" in line]
+    assert len(turned_off) == (1 if expected == "disabled" else 0), out["log"]
+
+
 def test_a_wrong_plugin_setting_stops_the_engine_before_it_serves(qwen3, tmp_path):
     model, bundle = qwen3
     spec = {"model": str(model), "bundle": str(bundle), "mode": "drop", "prompts": [{"text": "hi"}], "runs": ["off"],
