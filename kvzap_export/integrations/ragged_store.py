@@ -110,6 +110,7 @@ class RaggedStore:
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
         self.decided: set[int] = set()  # request rows a decision has tested (no longer known to hold every token)
         self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
+        self.graph_replays = 0  # decode steps an engine replayed from a CUDA graph (its readings' count)
 
     # ---- the pool ------------------------------------------------------------------------------
     @property
@@ -360,6 +361,15 @@ class RaggedStore:
             self.release(row)
 
     # ---- views (tests, readings) -----------------------------------------------------------------
+    def prompt_scores(self, rows: list[int], window: int) -> torch.Tensor:
+        """The stored scores of the entries of dense rows ``rows`` that a prompt decision would test (every position
+        but the last ``window``), flat, on the device."""
+        width = max(self.logical[r] for r in rows)
+        slots = self.slots(rows)
+        ids = self.ids[slots, :, :, :width].to(torch.int64)
+        tested = torch.arange(width, device=self.device) < self.lengths[slots][..., None] - window
+        return torch.where(tested, self.scores[ids].float(), torch.nan).reshape(-1)
+
     def row_held(self, row: int) -> int:
         """Entries row ``row`` holds (the host mirror: exact once the snapshots of its decisions are applied)."""
         return int(self.lengths_host[self.slot_of[row]].sum()) if row in self.slot_of else 0

@@ -83,7 +83,7 @@ def test_decisions_and_releases_make_no_host_read(shared):
 def one_decode_step(layers: int, requests: int, grouped: list | None = None) -> int:
     """Prompts of different lengths decided, then one decode step; returns the reads that step made. ``grouped``: a
     list to append each layer's (output, output without the step's row groups, groups) to."""
-    from kvzap_export.integrations.sglang.ragged import StoreRows, build_step
+    from kvzap_export.integrations.sglang.ragged_rows import StoreRows, build_step
 
     heads, dim, group = 2, 8, 2
     g = torch.Generator().manual_seed(layers * 100 + requests)

@@ -119,6 +119,32 @@ def test_store_matches_a_python_model_and_never_leaks(ops):
     assert sorted(store._free[: store.available].tolist()) == list(range(store.capacity))  # each id exactly once
 
 
+@pytest.mark.parametrize("fraction", [0.4, 0.7])
+def test_a_threshold_set_by_the_pruned_fraction_prunes_that_fraction_of_the_first_prompts(fraction):
+    """``KVZAP_PRUNED_FRACTION`` (ragged mode's benchmark setting for dummy weights): τ is the quantile of the first
+    decided prompts' scores outside the window (computed here from the rows' entries, position by position), and the
+    prompt decision at that τ then frees that fraction of the tested entries."""
+    import logging
+
+    from kvzap_export.integrations.sglang.ragged import RaggedKVzapSGLang
+
+    store = RaggedStore(5000, L, H, D, rows=2, width=8)
+    rows, window = [3, 8], 4
+    store.append(rows, [60, 45])
+    store.scores[:5000] = torch.randn(5000, generator=torch.Generator().manual_seed(5))
+    tested = sorted(float(store.scores[i]) for r in rows for layer in range(L) for head in range(H)
+                    for i in store.row_entries(r, layer, head)[:-window].tolist())
+    runtime = RaggedKVzapSGLang.__new__(RaggedKVzapSGLang)  # only its policy and setting: no scorer needed here
+    runtime.policy, runtime.pruned_fraction = KVzapPolicy(threshold=-99.0, window=window, layout="ragged"), fraction
+    logging.getLogger("kvzap_export").setLevel(logging.ERROR)
+    runtime._threshold_from_scores(store, rows)
+    assert runtime.pruned_fraction is None  # once
+    tau = runtime.policy.threshold
+    assert tau == pytest.approx(float(torch.quantile(torch.tensor(tested), fraction)), rel=1e-6)
+    freed = int(store.decide_prefill(rows, tau, window))
+    assert freed == sum(s < tau for s in tested) and abs(freed / len(tested) - fraction) < 0.01
+
+
 def test_append_returns_this_forwards_entries_in_token_order_and_bad_input_is_refused():
     store = RaggedStore(200, L, H, D)
     first = store.append([5, 2], [3, 2])

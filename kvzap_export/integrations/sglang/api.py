@@ -313,7 +313,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.managers.tokenizer_manager", "TokenizerManager.tokenizer", "field"),
 )
 
-# What SGLang's ReqToTokenPool calls on an attached aux cache (ragged.StoreRows implements it): checked in the
+# What SGLang's ReqToTokenPool calls on an attached aux cache (ragged_rows.StoreRows implements it): checked in the
 # 0.5.23 source of ``ReqToTokenPool`` by tests/integrations/sglang/test_api.py.
 AUX_CACHE_PROTOCOL = ("alloc_to_lengths(", "req_pool_indices_cpu=", "target_seq_lens_cpu=", ".free(", ".clear()",
                       ".reset_allocator()", ".dense_capacity")

@@ -4,7 +4,9 @@
 processes before parsing the command line. It does nothing unless ``KVZAP_BUNDLE`` is set. Settings:
 ``KVZAP_BUNDLE`` (a bundle directory), ``KVZAP_MODE`` (evict | mask | ragged; default evict),
 ``KVZAP_DECODING`` (1 | 0; default 1: also evict while decoding, kvpress ``decoding=True``),
-``KVZAP_THRESHOLD`` (a number: τ instead of the bundle's), ``KVZAP_STATS`` (a file: allocator readings per
+``KVZAP_THRESHOLD`` (a number: τ instead of the bundle's), ``KVZAP_PRUNED_FRACTION`` (ragged mode, a benchmark
+setting for models whose scores mean nothing, e.g. ``--load-format dummy``: τ set once from the first prompts' scores
+so that this fraction of them lies below it, logged), ``KVZAP_STATS`` (a file: allocator readings per
 request and step and at idle, ``stats.py``; also without a bundle, for a dense baseline). The glue is written
 against one SGLang version (``api.SGLANG_VERSION``): with ``KVZAP_BUNDLE`` or ``KVZAP_STATS`` set, any other stops the
 launch with one line (unset, the plugin does nothing and SGLang runs as if it were not installed).
@@ -58,6 +60,8 @@ def runtime() -> KVzapSGLang:
         if cfg["mode"] == "ragged":
             from kvzap_export.integrations.sglang.ragged import RaggedKVzapSGLang as factory
         rt = factory.from_bundle(cfg["bundle"], cfg["mode"], cfg["decoding"], size, rank, group, **cfg["policy"])
+        if cfg.get("pruned_fraction") is not None:
+            rt.pruned_fraction = cfg["pruned_fraction"]
         rt.stats = AllocatorReadings.from_env(rank)
         _RUNTIME = rt
     return _RUNTIME
@@ -219,11 +223,15 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
 
     if mode not in MODES:
         raise ConfigError(f"KVZAP_MODE={mode!r} is not supported; use one of {list(MODES)}")
+    pruned_fraction = policy.pop("pruned_fraction", None)
+    if pruned_fraction is not None and mode != "ragged":
+        raise ConfigError(f"KVZAP_PRUNED_FRACTION is a ragged-mode benchmark setting (KVZAP_MODE={mode}); unset it")
     # The manifest and the policy are checked here, in the launching process, so that a wrong bundle or
     # threshold stops the launch; the surrogate itself is loaded by each scheduler process at first use.
     KVzapPolicy.from_manifest(read_manifest(bundle), decoding=decoding, **policy)
     hooks = sglang_module("sglang.srt.plugins.hook_registry")
-    _CONFIG, _RUNTIME = {"bundle": str(bundle), "mode": mode, "decoding": decoding, "policy": policy}, None
+    _CONFIG, _RUNTIME = {"bundle": str(bundle), "mode": mode, "decoding": decoding, "policy": policy,
+                         "pruned_fraction": pruned_fraction}, None
     register, kind = hooks.HookRegistry.register, hooks.HookType
     for name in SCORED_ATTENTION:
         register(api(name).target, _score_hook, kind.BEFORE)
@@ -301,6 +309,19 @@ def _threshold_from_env() -> dict:
     return {"threshold": value}
 
 
+def _pruned_fraction_from_env() -> dict:
+    raw = os.environ.get("KVZAP_PRUNED_FRACTION")
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise ConfigError(f"KVZAP_PRUNED_FRACTION={raw!r}: use a fraction such as 0.7 (strictly between 0 and 1)")
+    return {"pruned_fraction": value}
+
+
 def load_plugin() -> None:
     """``sglang.srt.plugins`` entry point: reads ``KVZAP_*`` and installs (see the module docstring).
 
@@ -325,7 +346,7 @@ def load_plugin() -> None:
     try:
         if decoding not in ("1", "0", "true", "false"):
             raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
-        install(bundle, mode, decoding in ("1", "true"), **_threshold_from_env())
+        install(bundle, mode, decoding in ("1", "true"), **_threshold_from_env(), **_pruned_fraction_from_env())
     except KvzapError as exc:
         raise SystemExit(f"kvzap-export: {exc}") from None
     log.info("KVzap on: bundle %s, mode %s", bundle, mode)

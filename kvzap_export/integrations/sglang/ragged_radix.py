@@ -154,7 +154,7 @@ def radix_cache_class():
 
         def _admissions(self) -> dict:
             """node -> admission locks on it; emptied (with the locks' paths) once the store has cleared ``pending``
-            (the allocation that adopts what the admissions set aside: ``ragged.StoreRows.alloc_to_lengths``)."""
+            (the allocation that adopts what the admissions set aside: ``ragged_rows.StoreRows.alloc_to_lengths``)."""
             admitted = self._admitted
             if admitted and id(next(iter(admitted))) not in self.store.pending:
                 admitted.clear()
@@ -348,7 +348,7 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
 
 def extend_prefixes_hook(batch, *args, **kwargs) -> None:
     """BEFORE SGLang's ``alloc_for_extend``: the batch's prefix lengths (the radix cache's matches), for the rows the
-    store lays out in the same call (``ragged.StoreRows.alloc_to_lengths`` adopts them)."""
+    store lays out in the same call (``ragged_rows.StoreRows.alloc_to_lengths`` adopts them)."""
     rows = batch.req_to_token_pool._aux_cache
     if hasattr(rows, "prefix_lens"):
         rows.prefix_lens = [int(p) for p in batch.prefix_lens]

@@ -179,9 +179,9 @@ def test_glue_uses_only_listed_names():
 
 
 def test_req_to_token_pool_calls_what_the_ragged_rows_implement(wheel):
-    """SGLang calls these on an aux cache attached to its ReqToTokenPool; ragged.StoreRows implements each."""
+    """SGLang calls these on an aux cache attached to its ReqToTokenPool; ragged_rows.StoreRows implements each."""
     from kvzap_export.integrations.sglang.api import AUX_CACHE_PROTOCOL
-    from kvzap_export.integrations.sglang.ragged import StoreRows
+    from kvzap_export.integrations.sglang.ragged_rows import StoreRows
 
     source = wheel.read("sglang/srt/mem_cache/memory_pool.py").decode()
     start = source.index("class ReqToTokenPool")

@@ -19,7 +19,7 @@ from kvzap_export.integrations.sglang import plugin
 def clean(monkeypatch):
     monkeypatch.setattr(plugin, "_CONFIG", None)
     monkeypatch.setattr(plugin, "_RUNTIME", None)
-    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS", "KVZAP_THRESHOLD"):
+    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS", "KVZAP_THRESHOLD", "KVZAP_PRUNED_FRACTION"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -41,6 +41,9 @@ def test_plugin_is_off_without_a_bundle(clean):
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_DECODING": "yes"}, "KVZAP_DECODING='yes'"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "drop"}, "KVZAP_MODE='drop'"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_THRESHOLD": "low"}, "KVZAP_THRESHOLD='low'"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_PRUNED_FRACTION": "1.5"}, "KVZAP_PRUNED_FRACTION='1.5'"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_PRUNED_FRACTION": "most"}, "KVZAP_PRUNED_FRACTION='most'"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "evict", "KVZAP_PRUNED_FRACTION": "0.4"}, "a ragged-mode benchmark setting"),
 ])
 def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean, monkeypatch, tmp_path, env, named):
     """SGLang logs and ignores a plugin's exception; SystemExit is not an Exception, so the launch stops."""

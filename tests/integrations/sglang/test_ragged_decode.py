@@ -18,7 +18,7 @@ import torch
 
 from kvzap_export.integrations.host_reads import Transfers
 from kvzap_export.integrations.ragged_store import RaggedStore
-from kvzap_export.integrations.sglang.ragged import StoreRows
+from kvzap_export.integrations.sglang.ragged_rows import StoreRows
 from kvzap_export.integrations.sglang.ragged_decode import DecodeBuffers, write_entries
 from kvzap_export.kernels.ragged_attention import ragged_decode_attention
 
