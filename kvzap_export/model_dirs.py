@@ -9,6 +9,14 @@
   tokens); its surrogate's scores have a median near 0, so τ = 0 prunes about half. Its directory
   also holds a matching random KVzap surrogate (``kvzap-surrogate/``, kvpress format) so that a bundle can
   be exported for it: ``kvzap-export --model DIR --weights DIR/kvzap-surrogate --out BUNDLE``.
+- ``tiny-llama``: the same for the Llama architecture (``LlamaAttention``): 2 layers, hidden 128, 8 query and 4 KV
+  heads of 32 (grouped-query attention), the same scaled initialization, and a random *linear* surrogate (the
+  tiny Qwen3's is an MLP, so the two cover both variants).
+
+``byte_vocab=True`` (``export-model --byte-vocab``) gives a tiny model a byte-level tokenizer of 259 tokens (the 256
+bytes and 3 special tokens, no merges; ``byte_tokenizer``) and a vocabulary of that size instead of SmolLM2's 49,152:
+the embedding and output matrices, most of a tiny model's weights, shrink from about 50 MB to 0.3 MB (float32), small
+enough to carry to a GPU machine without network, and SmolLM2's GGUF is not needed. A prompt is then its UTF-8 bytes.
 
 Directories are written atomically (a temporary sibling renamed into place).
 """
@@ -22,11 +30,16 @@ import torch
 
 from kvzap_export.errors import ConfigError
 
-MODELS = ("smollm2-135m", "tiny-qwen3")
+MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-llama")
+TINY_MODELS = ("tiny-qwen3", "tiny-llama")
 SURROGATE_DIR = "kvzap-surrogate"
 TINY_QWEN3 = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 10000.0,
               "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|pad|>")  # eos, bos, pad: ids 256, 257, 258
 
 
 def _smollm2(dtype: str):
@@ -40,38 +53,89 @@ def _smollm2(dtype: str):
     return llm, tokenizer
 
 
-def tiny_qwen3(seed: int = 0, dtype: str = "float32"):
+def byte_tokenizer():
+    """A byte-level tokenizer of 259 tokens: ids 0-255 are the bytes of the UTF-8 text (in byte order; GPT-2's
+    printable stand-ins for bytes), 256-258 the special tokens ``BYTE_SPECIALS`` (eos, bos, pad); no merges, nothing
+    added around a text. Built here, deterministic, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    vocab = {(chr(b) if b in printable else chr(next(shifted))): b for b in range(256)}
+    vocab.update({token: 256 + i for i, token in enumerate(BYTE_SPECIALS)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(BYTE_SPECIALS))
+    eos, bos, pad = BYTE_SPECIALS
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=bos, pad_token=pad)
+
+
+def _tokenizer(byte_vocab: bool):
+    if byte_vocab:
+        return byte_tokenizer()
+    from kvzap_export.llm import load_llm
+
+    return load_llm("smollm2-135m", dtype="float32")[1]
+
+
+def _scaled_up(model):
+    """Weights larger than the default init, drawn from torch's generator as it stands after the model's own init
+    (seeded just before it): attention is peaked, logits well apart (module docstring)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 1.0 if "lm_head" in name else 0.15 if "embed" in name else 0.12)
+    return model
+
+
+def tiny_qwen3(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
     """(model, tokenizer): the seeded random Qwen3 described in the module docstring."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
-    from kvzap_export.llm import load_llm
 
-    _smol, tokenizer = load_llm("smollm2-135m", dtype="float32")
+    tokenizer = _tokenizer(byte_vocab)
     config = Qwen3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_QWEN3)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:  # larger weights than the default init: attention is peaked, logits well apart
-                param.normal_(0.0, 1.0 if "lm_head" in name else 0.15 if "embed" in name else 0.12)
+    model = _scaled_up(Qwen3ForCausalLM(config))
     return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer
 
 
-def tiny_qwen3_surrogate(model, seed: int = 0):
-    """A random KVzap MLP surrogate with the tiny model's dimensions (kvpress checkpoint format)."""
+def tiny_llama(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
+    """(model, tokenizer): the seeded random Llama described in the module docstring."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
+
+    tokenizer = _tokenizer(byte_vocab)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_LLAMA)
+    torch.manual_seed(seed)
+    model = _scaled_up(LlamaForCausalLM(config))
+    return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer
+
+
+def tiny_qwen3_surrogate(model, seed: int = 0, hidden_dim: int | None = 32):
+    """A random KVzap surrogate with the tiny model's dimensions (kvpress checkpoint format): an MLP with ``hidden_dim``
+    hidden units (the tiny Qwen3's), or a Linear with ``hidden_dim=None`` (the tiny Llama's)."""
     from kvzap_export.surrogate.model import Surrogate, SurrogateConfig
 
     cfg = model.config
     torch.manual_seed(seed + 1)
-    return Surrogate(SurrogateConfig(cfg.hidden_size, cfg.num_key_value_heads, cfg.num_hidden_layers, 32))
+    return Surrogate(SurrogateConfig(cfg.hidden_size, cfg.num_key_value_heads, cfg.num_hidden_layers, hidden_dim))
 
 
-def export_model(name: str, out: str | Path, dtype: str = "float32", force: bool = False, seed: int = 0) -> Path:
-    """Writes model ``name`` (one of ``MODELS``) as an HF directory at ``out``; returns the directory."""
+def export_model(name: str, out: str | Path, dtype: str = "float32", force: bool = False, seed: int = 0,
+                 byte_vocab: bool = False) -> Path:
+    """Writes model ``name`` (one of ``MODELS``) as an HF directory at ``out``; returns the directory. ``byte_vocab``:
+    a tiny model with the byte-level tokenizer (module docstring)."""
     if name not in MODELS:
         raise ConfigError(f"model {name!r}: export-model writes one of {list(MODELS)}")
+    if byte_vocab and name not in TINY_MODELS:
+        raise ConfigError(f"--byte-vocab: {name} keeps its own tokenizer; the byte vocabulary is for {', '.join(TINY_MODELS)}")
     out = Path(out).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(f"--out {out}: exists and is not empty; pass --force to replace it or choose another path")
@@ -83,9 +147,12 @@ def export_model(name: str, out: str | Path, dtype: str = "float32", force: bool
     try:
         if name == "smollm2-135m":
             model, tokenizer = _smollm2(dtype)
-        else:
-            model, tokenizer = tiny_qwen3(seed, dtype)
+        elif name == "tiny-qwen3":
+            model, tokenizer = tiny_qwen3(seed, dtype, byte_vocab)
             tiny_qwen3_surrogate(model, seed).save(tmp / SURROGATE_DIR)
+        else:
+            model, tokenizer = tiny_llama(seed, dtype, byte_vocab)
+            tiny_qwen3_surrogate(model, seed, hidden_dim=None).save(tmp / SURROGATE_DIR)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         if out.exists():
