@@ -9,7 +9,8 @@ import click
 
 
 def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, device, quiet, as_json,
-                   require: tuple[str, ...] = (), chunk_size: int | None = None, radix_cache: bool = True) -> None:
+                   require: tuple[str, ...] = (), chunk_size: int | None = None, radix_cache: bool = True,
+                   extra_engine_args: dict | None = None) -> None:
     from kvzap_export.bundle.manifest import read_manifest
     from kvzap_export.validate.engine_level import run_engine_level, write_engine_report
 
@@ -28,6 +29,7 @@ def run_engine_cli(bundle, engine, mode, model, prompts, new_tokens, python, dev
     engine_args = {"chunked_prefill_size": chunk_size} if chunk_size else {}
     if not radix_cache:
         engine_args["disable_radix_cache"] = True
+    engine_args.update(extra_engine_args or {})  # --engine-arg (keys distinct from the two above: validate_cmd.py)
     result = run_engine_level(bundle, manifest, engine, mode, model, prompts, new_tokens, python, device, on_line=on_line,
                               on_start=on_start, engine_args=engine_args or None)
     report = write_engine_report(bundle, result)

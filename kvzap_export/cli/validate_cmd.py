@@ -6,6 +6,8 @@ import json
 
 import click
 
+from kvzap_export.cli.engine_args import HELP as ENGINE_ARG_HELP
+
 
 @click.command()
 @click.argument("bundle", type=click.Path())
@@ -52,10 +54,14 @@ import click
               help="With --engine: SGLang's radix cache off (ragged mode runs with it on by default, sharing cached "
                    "prompts' entries; mask and evict mode always run with it off). Validates the setting a deployment "
                    "without prefix caching serves with.")
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
+              help="With --engine: " + ENGINE_ARG_HELP + " The engine level sets the model, float32, the prefill chunk "
+                   "(--chunk-size) and the radix cache (--no-radix-cache) itself. On a GPU without flashinfer: "
+                   "--engine-arg sampling_backend=pytorch.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
-             prompts_file, max_new_tokens, chunk_size, no_radix_cache, quiet, as_json) -> None:
+             prompts_file, max_new_tokens, chunk_size, no_radix_cache, engine_arg, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -81,14 +87,21 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
         raise ConfigError(f"--chunk-size {chunk_size}: it sets the serving engine's prefill chunk; add --engine sglang")
     if no_radix_cache and engine is None:
         raise ConfigError("--no-radix-cache: it turns the serving engine's radix cache off; add --engine sglang")
+    if engine_arg and engine is None:
+        raise ConfigError(f"--engine-arg {engine_arg[0]}: it sets a serving engine's argument; add --engine sglang")
     if engine is not None:
         from kvzap_export.cli.engine_report import run_engine_cli
 
         if set(levels) - {"engine"}:
             raise ConfigError(f"--require {require}: with --engine only the engine level runs; require engine, or "
                               "validate the other levels without --engine")
+        from kvzap_export.cli.engine_args import parse_engine_args
+
+        extra = parse_engine_args(engine_arg, {"model_path": "--model", "dtype": "the engine level (float32: its reference's)",
+                                               "chunked_prefill_size": "--chunk-size",
+                                               "disable_radix_cache": "--no-radix-cache"})
         run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet,
-                       as_json, levels, chunk_size, radix_cache=not no_radix_cache)
+                       as_json, levels, chunk_size, radix_cache=not no_radix_cache, extra_engine_args=extra)
         return
     if "engine" in levels:
         raise ConfigError("--require engine: the engine level runs only with --engine sglang --model DIR; add them, "

@@ -151,6 +151,13 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
               "kv_held": held, "kv_dense": dense_total, "freed_fraction": 1.0 - held / dense_total if dense_total else None,
               "compares": "SGLang greedy tokens (plugin loaded by its entry point) vs kvpress DMSPress(KVzapPress) greedy "
                           f"tokens computed with transformers and stored in the bundle; KV held read from {source}"}
+    readings = [r["reading"] for r in raw["results"] if r["reading"]]
+    replays = [int(x["decode_graph_replays"]) for x in readings if x.get("decode_graph_replays") is not None]
+    if replays:  # ragged mode: decode steps whose forward replayed a CUDA graph, counted since launch (0 on a CPU)
+        result["decode_graph_replays"] = max(replays)
+    taus = sorted({float(x["threshold"]) for x in readings if x.get("threshold") is not None})
+    if taus:  # the τ in effect, as the engine's readings give it
+        result["threshold_in_effect"] = taus
     budgets = [r["reading"]["kv_budget"] for r in raw["results"] if (r["reading"] or {}).get("kv_budget")]
     if budgets:  # ragged mode: SGLang's KV budget and what the per-head pool takes of it
         result["kv_budget"] = budgets[-1]
@@ -247,6 +254,9 @@ def write_engine_report(bundle: Path, result: dict) -> Path:
     resolved = (result.get("engine_info") or {}).get("resolved")
     if resolved:  # what SGLang made of its defaults on this machine (its chunk size, the radix cache, overlap)
         lines += ["SGLang's settings as it resolved them: " + ", ".join(f"`{k}={v}`" for k, v in resolved.items()), ""]
+    if result.get("decode_graph_replays") is not None:
+        lines += [f"Decode steps that replayed a CUDA graph (the engine's count since launch): "
+                  f"{result['decode_graph_replays']}; τ in effect: {result.get('threshold_in_effect')}.", ""]
     budget = result.get("kv_budget")
     if budget:  # ragged mode: the per-head pool and its bookkeeping inside the KV budget SGLang profiled
         parts = ", ".join(f"{part.replace('_', ' ')} {size / 2**30:.3f}" for part, size in budget.items() if part != "budget")

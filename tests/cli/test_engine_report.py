@@ -101,3 +101,34 @@ def test_chunk_size_and_the_radix_cache_go_to_the_engine_and_need_it(bundle, mon
     assert main(["validate", str(bundle), "--no-radix-cache"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--no-radix-cache" in err and "--engine sglang" in err
+
+
+def test_engine_args_reach_the_engine_level_and_bad_ones_are_one_line(bundle, monkeypatch, capsys):
+    """--engine-arg KEY=VALUE (repeated): values read as JSON where they are JSON, merged with --chunk-size; malformed,
+    repeated or reserved keys, or the option without --engine, are one-line usage errors before anything runs."""
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
+
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    engine = ["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle), "--json"]
+    assert main([*engine, "--engine-arg", "sampling_backend=pytorch", "--engine-arg", "mem-fraction-static=0.3",
+                 "--engine-arg", "enable_x=true", "--chunk-size", "64"]) == 0
+    assert seen["engine_args"] == {"chunked_prefill_size": 64, "sampling_backend": "pytorch", "mem_fraction_static": 0.3,
+                                   "enable_x": True}
+    for args, says in ((["--engine-arg", "sampling_backend"], "use KEY=VALUE"),
+                       (["--engine-arg", "=3"], "use KEY=VALUE"),
+                       (["--engine-arg", "a b=3"], "use KEY=VALUE"),
+                       (["--engine-arg", "x=1", "--engine-arg", "x=2"], "given twice"),
+                       (["--engine-arg", "dtype=bfloat16"], "float32"),
+                       (["--engine-arg", "chunked_prefill_size=8"], "--chunk-size")):
+        seen.clear()
+        capsys.readouterr()
+        assert main([*engine, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and not seen, (args, err)
+    assert main(["validate", str(bundle), "--engine-arg", "x=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--engine-arg x=1" in err and "--engine sglang" in err

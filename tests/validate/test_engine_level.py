@@ -67,6 +67,31 @@ def test_ragged_mode_reads_the_per_head_pool():
     assert result["status"] == "passed" and result["kv_held"] == 24 and result["kv_dense"] == 48
 
 
+def test_ragged_mode_reports_the_engines_cuda_graph_replays_and_tau():
+    """The readings' cumulative count of decode steps that replayed a CUDA graph (its largest: the last) and the τ in
+    effect go into the result and its report; modes whose readings lack them report neither."""
+    lines = {"off": reading(6, head_slots_held=24, decode_graph_replays=3, threshold=-1.5),
+             "prefill": reading(6, 13, head_slots_held=13, decode_graph_replays=9, threshold=-1.5),
+             "decoding": reading(6, 11, head_slots_held=11, decode_graph_replays=14, threshold=-1.5)}
+    outputs = {"off": [7, 8, 9, 11], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 5, 5]}
+    result = summarize(raw(outputs, lines, mode="ragged"), REFERENCE, "ragged", 4, ["a"])
+    assert result["decode_graph_replays"] == 14 and result["threshold_in_effect"] == [-1.5]
+    zero = {run: {**line, "decode_graph_replays": 0} for run, line in lines.items()}
+    assert summarize(raw(outputs, zero, mode="ragged"), REFERENCE, "ragged", 4, ["a"])["decode_graph_replays"] == 0
+    evict = summarize(raw(outputs, {"off": reading(6), "prefill": reading(6, 24), "decoding": reading(5, 20)}), REFERENCE,
+                      "evict", 4, ["a"])
+    assert "decode_graph_replays" not in evict and "threshold_in_effect" not in evict
+
+
+def test_the_report_names_the_replay_count(tmp_path):
+    from kvzap_export.validate.engine_level import write_engine_report
+
+    result = {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": [],
+              "decode_graph_replays": 0, "threshold_in_effect": [0.0]}
+    text = write_engine_report(tmp_path, result).read_text()
+    assert "Decode steps that replayed a CUDA graph (the engine's count since launch): 0; τ in effect: [0.0]." in text
+
+
 def test_without_a_reference_nothing_is_called_passed():
     r = raw({"off": [1], "prefill": [2], "decoding": [3]}, {"off": reading(1), "prefill": reading(1), "decoding": reading(1)},
             mode="mask")
