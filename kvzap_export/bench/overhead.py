@@ -120,13 +120,14 @@ def _decision(device: str, dtype, cache: int, layers: int):
     gen = torch.Generator().manual_seed(1)
     entries = KV_HEADS * cache
     scores = (torch.randn(entries, generator=gen) * 2 - 4).to(device, dtype)
-    ids = torch.stack([torch.randperm(entries, generator=gen).view(KV_HEADS, cache)
-                       for _ in range(layers)])[None].to(device, torch.int32)
+    ids = torch.stack([torch.randperm(entries, generator=gen).view(KV_HEADS, cache) for _ in range(layers)])
+    data = torch.cat([ids.reshape(-1), torch.zeros(1, dtype=ids.dtype)]).to(device, torch.int32)  # + a scratch cell
+    base = (torch.arange(layers * KV_HEADS) * cache).view(1, layers, KV_HEADS).to(device)  # the rows, back to back
     lengths = torch.full((1, layers, KV_HEADS), cache, dtype=torch.int32, device=device)
     slots, leaving = torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, dtype=torch.int32, device=device)
 
     def run():
-        decode_decision.decide_table(scores, ids, lengths, slots, leaving, THRESHOLD, WINDOW)
+        decode_decision.decide_table(scores, data, base, lengths, slots, leaving, THRESHOLD, WINDOW)
     return ("Triton kernel" if device == "cuda" else "torch formula (engines' CPU path)"), run
 
 

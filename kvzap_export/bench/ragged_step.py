@@ -194,7 +194,11 @@ class RaggedState:
         self.k = torch.randn(E, head_dim, generator=generator, device=device, dtype=dtype)
         self.v = torch.randn(E, head_dim, generator=generator, device=device, dtype=dtype)
         self.scores = torch.randn(E, generator=generator, device=device, dtype=dtype)
-        self.ids = torch.cat([ids, ids.new_zeros(B, H, spare_steps + 2)], -1)  # room to append
+        width = W + spare_steps + 2  # room to append
+        # the rows in one flat buffer with a scratch cell past them, as the engine's RowTable holds them (dense here)
+        self.data = torch.zeros(B * H * width + 1, dtype=ids.dtype, device=device)
+        self.data[:-1].view(B, H, width)[..., :W] = ids
+        self.base = (torch.arange(B * H, device=device) * width).view(B, 1, H)
         self.lengths = lengths.clone().to(torch.int32)
         self.free = torch.cat([torch.arange(E - 1, total - 1, -1, device=device), torch.zeros(total + 1, device=device,
                                                                                                 dtype=torch.int64)])
@@ -205,6 +209,12 @@ class RaggedState:
         self.leaving = torch.ones(B, dtype=torch.int32, device=device)  # every row appends a token per step
         self.freed = torch.full((B * H,), -1, dtype=torch.int32, device=device)  # a decision's evicted id per row
         decode_decision.recycle(self.freed, self.free, self.top, self.fresh)  # the first step's ids
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """int32 [B, H, W]: the rows, a view of ``data`` (without its scratch cell)."""
+        B, H = self.lengths.shape
+        return self.data[:-1].view(B, H, -1)
 
     def clone(self):
         other = object.__new__(RaggedState)
@@ -237,7 +247,7 @@ def ragged_decide(st: RaggedState, tau: float, use_triton: bool | None = None) -
     tau and removed from its row if evicted, evicted ids pushed on the free stack, the next step's ids popped: the
     engine's calls (``decode_decision.decide_table`` over the [B, 1, H, W] table, as ``RaggedStore.decide_decode``;
     ``recycle``, the store's push and pop); ``use_triton``: decide_table's path (default: the kernel on CUDA)."""
-    freed = decode_decision.decide_table(st.scores, st.ids[:, None], st.lengths[:, None], st.slots, st.leaving, tau,
+    freed = decode_decision.decide_table(st.scores, st.data, st.base, st.lengths[:, None], st.slots, st.leaving, tau,
                                          WINDOW, use_triton)
     st.freed.copy_(freed.view(-1))
     decode_decision.recycle(st.freed, st.free, st.top, st.fresh)

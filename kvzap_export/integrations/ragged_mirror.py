@@ -33,9 +33,25 @@ class Snapshot:
     event: object | None  # a CUDA event recorded after the copy (None: the values are there already)
 
 
+class _HeldCopy:
+    """A CPU snapshot standing in for a GPU's copy that has not arrived (``HostMirror.held_copies``, tests)."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
 class HostMirror:
     """The host-side counters of a store (module docstring): ``top`` and ``soft`` are the host's bounds, ``pops``,
-    ``pushes`` and ``soft_known`` what the host changed itself."""
+    ``pushes`` and ``soft_known`` what the host changed itself. ``held_copies`` (tests): CPU snapshots behave as a
+    GPU's that have not arrived yet, until something waits for them (``wait``), so the CPU runs the bounds' path."""
+
+    held_copies = False
 
     def __init__(self, store, top: int):
         self.store = store
@@ -102,6 +118,8 @@ class HostMirror:
             event = torch.cuda.Event()
             event.record()
             flat = host
+        elif self.held_copies:
+            event = _HeldCopy()
         self._made += 1
         for r in rows:
             self._last[r] = self._made

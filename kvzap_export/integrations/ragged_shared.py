@@ -274,10 +274,12 @@ class SharedRaggedStore(RaggedStore):
             raise RuntimeError(f"ragged KV store: row {row} adopts {p} slots and some hold no record (the prefix "
                                "cache matched a prefix that was not recorded)")
         ids = self.slot_entries[slots].permute(1, 2, 0).to(torch.int64)  # [L, H, p]
-        self._ensure(len(self.slot_of) + 1, p)
+        self._ensure_slots(len(self.slot_of) + 1)
         slot = self.slot_of[row] = self._free_slots.pop()
-        self.ids[slot, :, :, :p] = ids.to(torch.int32)
         self.mirror.took_slot(row)
+        self._columns(torch.tensor([slot]), torch.full((1, self.num_layers, self.num_kv_heads), p))
+        slot_dev = upload(self.device, torch.tensor([slot]))[0]
+        self.table.write(slot_dev, ids[None], torch.ones(1, 1, 1, p, dtype=torch.bool, device=self.device))
         self.lengths[slot] = p
         self.host_lengths[slot] = p
         self.logical[row] = self.dense_len[row] = self.adopted[row] = p

@@ -53,6 +53,7 @@ import torch
 
 from kvzap_export.errors import InputError
 from kvzap_export.integrations.ragged_mirror import HostMirror
+from kvzap_export.integrations.row_table import MIN_COLUMNS, RowTable
 from kvzap_export.kernels import decode_decision
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ class RaggedStore:
         self.top = torch.full((1,), capacity, dtype=torch.int64, device=self.device)
         self.soft_counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # SharedRaggedStore's soft entries
         self.mirror = HostMirror(self, capacity)
-        self.ids = torch.zeros(rows, num_layers, num_kv_heads, width, dtype=torch.int32, device=self.device)
+        # the rows' entry ids, each row with its own capacity (row_table.py); ``width`` columns a row to start with
+        self.table = RowTable(rows, num_layers, num_kv_heads, rows * num_layers * num_kv_heads * width, self.device)
+        self.table_columns = self.table.size  # what the budget reserved for it (``reserve_table``)
         self.lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
         self.host_lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)  # see lengths_host
         self.slot_of: dict[int, int] = {}  # request row -> its table slot
@@ -109,7 +112,6 @@ class RaggedStore:
         self.logical: dict[int, int] = {}  # request row -> tokens appended (rows present here hold entries)
         self.tested: dict[int, int] = {}  # request row -> logical positions below this one have been decided on
         self.decided: set[int] = set()  # request rows a decision has tested (no longer known to hold every token)
-        self.table_budget: int | None = None  # bytes an engine reserved for the row tables (warned once past it)
         self.graph_replays = 0  # decode steps an engine replayed from a CUDA graph (its readings' count)
 
     # ---- the pool ------------------------------------------------------------------------------
@@ -142,14 +144,34 @@ class RaggedStore:
         return list(self.slot_of)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of each tensor the store allocated: K, V, scores, row tables (ids, lengths), free list."""
+        """Bytes of each tensor the store allocated on its device: K, V, scores, row tables (ids, where rows start,
+        lengths), free list. Its host mirrors (int64 per row) are host memory, not counted here."""
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
-        return {"k": size(self.k), "v": size(self.v), "scores": size(self.scores), "row_tables": size(self.ids) + size(self.lengths)
-                + size(self.host_lengths), "free_list": size(self._free)}
+        return {"k": size(self.k), "v": size(self.v), "scores": size(self.scores),
+                "row_tables": self.table.nbytes() + size(self.lengths), "free_list": size(self._free)}
 
     def table_bytes(self) -> int:
-        """Bytes of the row tables' ids (what grows with the rows held and their width)."""
-        return self.ids.numel() * self.ids.element_size()
+        """Bytes of the row tables' ids buffer (its reservation; more only if packed rows outgrow it: logged)."""
+        return self.table.data.numel() * self.table.data.element_size()
+
+    def reserve_table(self, columns: int, slots: int | None = None) -> None:
+        """The engine's reservation for the row tables, ``columns`` int32 columns' bytes, allocated now for up to
+        ``slots`` requests at once (the engine's request rows): where each row starts and its length (int64 and int32
+        per (slot, layer, head)) come out of the same bytes, the rest are the rows' columns. Before any row is held."""
+        if self.slot_of:
+            raise RuntimeError("ragged KV store: the row tables are reserved before any row is held")
+        L, H = self.num_layers, self.num_kv_heads
+        slots = max(slots or 0, self.lengths.shape[0])
+        self._ensure_slots(slots)
+        columns = max(columns - -(-slots * L * H * 12 // 4), L * H * MIN_COLUMNS)
+        self.table = RowTable(slots, L, H, columns, self.device, reserved=True)
+        self.table_columns = columns
+
+    def _repaid(self) -> None:
+        """No row is held: a table that grew past its reservation goes back to it."""
+        if self.table.grown:
+            self.table = RowTable(self.table.cap.shape[0], self.num_layers, self.num_kv_heads, self.table_columns,
+                                  self.device, reserved=self.table.reserved or self.table.grown > 0)
 
     def _room(self, n: int) -> None:
         """Raises ``StoreFull`` unless ``n`` entries are free (waits for pending snapshots when the lower bound is short)."""
@@ -174,28 +196,22 @@ class RaggedStore:
         if count is not None:
             self.mirror.pushed(count)
 
-    def _ensure(self, slots: int, width: int) -> None:
-        """Grows the tables to at least ``slots`` slots and ``width`` columns, by a quarter at a time (the columns in
-        multiples of 16): they are reserved in the engine's KV budget, so they grow in small steps; copies once."""
-        have_slots, have_width = self.ids.shape[0], self.ids.shape[-1]
-        if slots <= have_slots and width <= have_width:
+    def _ensure_slots(self, slots: int) -> None:
+        """Room for at least ``slots`` request slots (by a quarter at a time; the rows' columns are the table's)."""
+        have = self.lengths.shape[0]
+        if slots <= have:
             return
-        new_slots = have_slots if slots <= have_slots else max(slots, -(-5 * have_slots // 4))
-        new_width = have_width if width <= have_width else -(-max(width, 5 * have_width // 4) // 16) * 16
+        new = max(slots, -(-5 * have // 4))
         L, H = self.num_layers, self.num_kv_heads
-        ids = self.ids.new_zeros(new_slots, L, H, new_width)
-        ids[:have_slots, :, :, :have_width] = self.ids
-        lengths = self.lengths.new_zeros(new_slots, L, H)
-        lengths[:have_slots] = self.lengths
-        host = self.host_lengths.new_zeros(new_slots, L, H)
-        host[:have_slots] = self.host_lengths
-        self.ids, self.lengths, self.host_lengths = ids, lengths, host
-        if self.table_budget is not None and self.table_bytes() > self.table_budget:
-            log.warning("ragged KV store: the row tables (%d rows x %d columns, %.1f MB) outgrew the %.1f MB reserved "
-                        "for them in the KV budget", new_slots, new_width, self.table_bytes() / 2**20,
-                        self.table_budget / 2**20)
-            self.table_budget = None  # once
-        self._free_slots = list(range(new_slots - 1, have_slots - 1, -1)) + self._free_slots
+        self.table.grow_slots(new)
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(new - have, L, H)])
+        self.host_lengths = torch.cat([self.host_lengths, self.host_lengths.new_zeros(new - have, L, H)])
+        self._free_slots = list(range(new - 1, have - 1, -1)) + self._free_slots
+
+    def _columns(self, slots_host: torch.Tensor, need: torch.Tensor) -> None:
+        """Rows of ``slots_host`` get room for ``need`` [B, L, H] columns (host figures: the mirrored lengths are upper
+        bounds)."""
+        self.table.reserve(slots_host, need, lambda *parts: upload(self.device, *parts), self.lengths_host)
 
     def slots_host(self, rows: list[int]) -> torch.Tensor:
         """The table slots of request rows that hold entries, int64 on the host (for ``lengths_host[...]``)."""
@@ -221,13 +237,13 @@ class RaggedStore:
             return torch.zeros(L, H, 0, dtype=torch.int64, device=self.device)
         self._room(L * H * total)
         fresh = [r for r in rows if r not in self.slot_of]
-        self._ensure(len(self.slot_of) + len(fresh), 1)
+        self._ensure_slots(len(self.slot_of) + len(fresh))
         for r in fresh:
             self.slot_of[r] = self._free_slots.pop()
             self.mirror.took_slot(r)
         slots_host = self.slots_host(rows)
         n_host = torch.tensor(counts, dtype=torch.int64)
-        self._ensure(0, int((self.lengths_host[slots_host].amax(dim=(1, 2)) + n_host).max()))  # one host read
+        self._columns(slots_host, self.lengths_host[slots_host] + n_host[:, None, None])
         new = self._take(L * H * total).view(L, H, total)
         token_row = torch.repeat_interleave(torch.arange(len(rows)), n_host, output_size=total)  # [T] its request
         token_j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n_host, 0) - n_host, n_host, output_size=total)
@@ -235,7 +251,7 @@ class RaggedStore:
         columns = self.lengths[slots][token_row].permute(1, 2, 0).to(torch.int64) + token_j  # [L, H, T]
         layer = torch.arange(L, device=self.device)[:, None, None]
         head = torch.arange(H, device=self.device)[None, :, None]
-        self.ids.index_put_((slots[token_row][None, None, :], layer, head, columns), new.to(torch.int32))
+        self.table.data[self.table.base[slots[token_row][None, None, :], layer, head] + columns] = new.to(torch.int32)
         self.lengths[slots] += n.to(torch.int32)[:, None, None]
         self.host_lengths[slots_host] += n_host[:, None, None]
         for r, n in zip(rows, counts):
@@ -244,7 +260,7 @@ class RaggedStore:
 
     def layer_ids(self, slots: torch.Tensor, layer: int, width: int) -> torch.Tensor:
         """int32 [B, H, width]: one layer's entry ids of the requests in ``slots`` (padding past each row's length)."""
-        return self.ids[slots, layer, :, :width]
+        return self.table.layer(slots, layer, width)
 
     def widths(self, rows: list[int]) -> list[int]:
         """Per layer, the most entries any (row, head) of ``rows`` holds (host, no device read)."""
@@ -271,7 +287,7 @@ class RaggedStore:
         rows_host = self.slots_host(rows)
         rows_dev = upload(self.device, rows_host)[0]
         width = max(self.logical[r] for r in rows)  # a dense row holds every token it appended
-        ids = self.ids[rows_dev, :, :, :width].to(torch.int64)  # [B, L, H, W]
+        ids = self.table.gather(rows_dev, width).to(torch.int64)  # [B, L, H, W]
         lengths = self.lengths[rows_dev]
         B = len(rows)
         rule = threshold_compaction(self.scores[ids].reshape(B * L * H, 1, width), lengths.reshape(-1), threshold, window,
@@ -310,7 +326,8 @@ class RaggedStore:
         self.decided.update(rows)
         outside_sink = torch.tensor([self.logical[r] - window - 1 >= sink for r in rows], dtype=torch.int64)
         slots, outside_sink = upload(self.device, self.slots_host(rows), outside_sink)
-        freed = decode_decision.decide_table(self.scores, self.ids, self.lengths, slots, outside_sink, threshold, window)
+        freed = decode_decision.decide_table(self.scores, self.table.data, self.table.base, self.lengths, slots,
+                                             outside_sink, threshold, window)
         gone = freed >= 0
         self._give(torch.where(gone, freed, self.scratch), gone)
         self.mirror.mark(rows)
@@ -321,8 +338,9 @@ class RaggedStore:
         """Writes a prompt decision back: ``kept`` [B, L, H, W] into each row's first columns, the new lengths, one
         push of the freed ids; then a snapshot for the host. No host read. Returns the entries freed (a device
         tensor)."""
-        self.ids[rows_dev, :, :, : kept.shape[-1]] = kept.to(torch.int32)
-        freed = (self.lengths[rows_dev].to(torch.int64) - counts).sum()
+        before = self.lengths[rows_dev].to(torch.int64)
+        self.table.write(rows_dev, kept, torch.arange(kept.shape[-1], device=self.device) < before[..., None])
+        freed = (before - counts).sum()
         self.lengths[rows_dev] = counts.to(torch.int32)
         self._give(freed_ids, freed_mask)
         self.mirror.mark(rows)
@@ -343,8 +361,8 @@ class RaggedStore:
         slot = self.slot_of.pop(row, None)
         if slot is None:
             return 0
-        width = min(logical, self.ids.shape[-1])  # no (layer, head) holds more than the tokens appended
-        ids = self.ids[slot, :, :, :width]
+        width = logical  # no (layer, head) holds more than the tokens appended
+        ids = self.table.slot(slot, width)
         held = torch.arange(width, device=self.device) < self.lengths[slot][..., None]
         # the host mirror's sum (a host tensor, no device read) when it is exact and the entries all go to the free list
         count = int(self.host_lengths[slot].sum()) if exact and self.counts_releases else None
@@ -353,7 +371,10 @@ class RaggedStore:
             self.mirror.mark()
         self.lengths[slot] = 0
         self.host_lengths[slot] = 0
+        self.table.clear(slot)
         self._free_slots.append(slot)
+        if not self.slot_of:
+            self._repaid()
         return count
 
     def clear(self) -> None:
@@ -366,7 +387,7 @@ class RaggedStore:
         but the last ``window``), flat, on the device."""
         width = max(self.logical[r] for r in rows)
         slots = self.slots(rows)
-        ids = self.ids[slots, :, :, :width].to(torch.int64)
+        ids = self.table.gather(slots, width).to(torch.int64)
         tested = torch.arange(width, device=self.device) < self.lengths[slots][..., None] - window
         return torch.where(tested, self.scores[ids].float(), torch.nan).reshape(-1)
 
@@ -379,4 +400,5 @@ class RaggedStore:
         if row not in self.slot_of:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         slot = self.slot_of[row]
-        return self.ids[slot, layer, head, : int(self.lengths[slot, layer, head])].to(torch.int64)
+        start = int(self.table.base_host[slot, layer, head])
+        return self.table.data[start: start + int(self.lengths[slot, layer, head])].to(torch.int64)

@@ -95,19 +95,20 @@ def recycle(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor, fresh: t
 if triton is not None:
 
     @triton.jit(do_not_specialize=["window", "per_slot"])
-    def _decide_leaving_kernel(scores_ptr, ids_ptr, lengths_ptr, leaving_ptr, freed_ptr, slots_ptr, threshold, window,
-                               stride_row, per_slot, SPAN: tl.constexpr, MAPPED: tl.constexpr):
+    def _decide_leaving_kernel(scores_ptr, ids_ptr, lengths_ptr, leaving_ptr, freed_ptr, slots_ptr, base_ptr, threshold,
+                               window, stride_row, per_slot, SPAN: tl.constexpr, MAPPED: tl.constexpr):
         p = tl.program_id(0)
-        if MAPPED:  # program p: row (p % per_slot) of table slot slots[p // per_slot]; leaving per slot
+        if MAPPED:  # program p: row (p % per_slot) of table slot slots[p // per_slot], at base[row]; leaving per slot
             b = p // per_slot
             r = tl.load(slots_ptr + b).to(tl.int64) * per_slot + p % per_slot
             leave = tl.load(leaving_ptr + b)
+            row = ids_ptr + tl.load(base_ptr + r)
         else:
             r = p.to(tl.int64)
             leave = tl.load(leaving_ptr + p)
+            row = ids_ptr + r * stride_row
         length = tl.load(lengths_ptr + r)
         column = length - window - 1
-        row = ids_ptr + r * stride_row
         go = (leave != 0) & (column >= 0)
         candidate = tl.load(row + tl.maximum(column, 0), mask=go, other=0)
         DTYPE: tl.constexpr = scores_ptr.dtype.element_ty
@@ -142,8 +143,8 @@ def launch_decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torc
     rows = ids.shape[0]
     freed = torch.empty(rows, dtype=torch.int32, device=ids.device) if freed is None else freed
     if rows:
-        _decide_leaving_kernel[(rows,)](scores, ids, lengths, leaving, freed, freed, float(threshold), int(window),
-                                        ids.stride(0), 1, SPAN=_span(window), MAPPED=False)
+        _decide_leaving_kernel[(rows,)](scores, ids, lengths, leaving, freed, freed, freed, float(threshold),
+                                        int(window), ids.stride(0), 1, SPAN=_span(window), MAPPED=False)
     return freed
 
 
@@ -151,44 +152,48 @@ def _span(window: int) -> int:
     return max(16, triton.next_power_of_2(max(window, 1)))
 
 
-def decide_table(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                 leaving: torch.Tensor, threshold: float, window: int, use_triton: bool | None = None) -> torch.Tensor:
-    """The decode decision of the table slots ``slots`` (int64 [B], distinct, on the device) of a row table: ids int32
-    [S, L, H, W] and lengths int32 [S, L, H] (a ``RaggedStore``'s, or any [S, 1, H, W] batch), every (layer, head) row
-    of slot ``slots[b]`` deciding when ``leaving[b]`` (int/bool [B]) is set, in place. Returns ``freed`` int32
-    [B, L, H] (-1: nothing freed). No host read, no sort.
+def decide_table(scores: torch.Tensor, data: torch.Tensor, base: torch.Tensor, lengths: torch.Tensor,
+                 slots: torch.Tensor, leaving: torch.Tensor, threshold: float, window: int,
+                 use_triton: bool | None = None) -> torch.Tensor:
+    """The decode decision of the slots ``slots`` (int64 [B], distinct, on the device) of a row table whose rows
+    lie in one flat buffer: ``data`` int32 [size + 1] (the last element a scratch cell that masked writes land in),
+    row ``(s, l, h)`` starting at ``base`` int64 [S, L, H] (``integrations.row_table.RowTable``; a dense table is
+    the case ``base = arange * width``), lengths int32 [S, L, H]. Every (layer, head) row of slot ``slots[b]``
+    decides when ``leaving[b]`` (int/bool [B]) is set, in place. Returns ``freed`` int32 [B, L, H] (-1: nothing
+    freed). No host read, no sort.
 
-    ``use_triton`` (default: CUDA tensors and Triton present): the kernel, in place on the table's rows (one program
-    per (slot, layer, head)); otherwise the torch formula ``decide_leaving`` over each row's last ``window + 1``
-    columns, gathered and written back."""
-    S, L, H, W = ids.shape
+    ``use_triton`` (default: CUDA tensors and Triton present): the kernel, in place on the buffer (one program per
+    (slot, layer, head)); otherwise the torch formula ``decide_leaving`` over each row's last ``window + 1`` columns,
+    gathered and written back (the columns past a row's length to the scratch cell)."""
+    S, L, H = lengths.shape
     B = slots.shape[0]
-    if lengths.shape != (S, L, H) or leaving.shape != (B,) or slots.dim() != 1:
-        raise InputError(f"decide_table: ids [S, L, H, W], lengths [S, L, H], slots and leaving [B]; got "
-                         f"{list(ids.shape)}, {list(lengths.shape)}, {list(slots.shape)}, {list(leaving.shape)}")
+    if base.shape != (S, L, H) or leaving.shape != (B,) or slots.dim() != 1 or data.dim() != 1:
+        raise InputError(f"decide_table: data [size + 1], base and lengths [S, L, H], slots and leaving [B]; got "
+                         f"{list(data.shape)}, {list(base.shape)}, {list(lengths.shape)}, {list(slots.shape)}, "
+                         f"{list(leaving.shape)}")
     if use_triton is None:
-        use_triton = ids.is_cuda and triton is not None
-    freed = torch.empty(B, L, H, dtype=torch.int32, device=ids.device)
+        use_triton = data.is_cuda and triton is not None
+    freed = torch.empty(B, L, H, dtype=torch.int32, device=data.device)
     if B == 0:
         return freed
     if use_triton:
         _require_triton("the decode decision kernel")
-        if ids.dtype != torch.int32 or lengths.dtype != torch.int32 or not (ids.is_contiguous() and lengths.is_contiguous()):
-            raise InputError("decide_table: ids and lengths contiguous int32 tables")
-        _decide_leaving_kernel[(B * L * H,)](scores, ids, lengths, leaving, freed, slots, float(threshold), int(window),
-                                             W, L * H, SPAN=_span(window), MAPPED=True)
+        if data.dtype != torch.int32 or lengths.dtype != torch.int32 or not (lengths.is_contiguous() and base.is_contiguous()):
+            raise InputError("decide_table: data and lengths int32, lengths and base contiguous")
+        _decide_leaving_kernel[(B * L * H,)](scores, data, lengths, leaving, freed, slots, base, float(threshold),
+                                             int(window), 0, L * H, SPAN=_span(window), MAPPED=True)
         return freed
-    # The torch formula on each row's tail (the candidate and the window after it): columns past a short row's
-    # length are clamped to the table (they are read and written back unchanged: such a row does not decide).
+    # The torch formula on each row's tail (the candidate and the window after it).
+    scratch = data.shape[0] - 1
     held = lengths[slots].to(torch.int64)  # [B, L, H]
     start = (held - window - 1).clamp(min=0)
-    columns = (start[..., None] + torch.arange(window + 1, device=ids.device)).clamp(max=W - 1)
-    cells = (slots[:, None, None, None], torch.arange(L, device=ids.device)[None, :, None, None],
-             torch.arange(H, device=ids.device)[None, None, :, None], columns)
-    tail = ids[cells].reshape(B * L * H, window + 1)
+    columns = start[..., None] + torch.arange(window + 1, device=data.device)  # [B, L, H, window + 1]
+    at = (base[slots][..., None] + columns).clamp(max=scratch)
+    tail = data[at].reshape(B * L * H, window + 1)
     tail_len = (held - start).to(torch.int32).reshape(-1)
     rows_leaving = leaving.reshape(B, 1).expand(B, L * H).reshape(-1)
     freed.view(-1).copy_(decide_leaving(scores, tail, tail_len, rows_leaving, threshold, window))
-    ids.index_put_(cells, tail.view(B, L, H, window + 1))
+    inside = columns < held[..., None]  # a row's own columns only: past its length may be another row's
+    data.index_put_((torch.where(inside, at, scratch),), tail.view(B, L, H, window + 1))
     lengths.index_put_((slots,), lengths[slots] - (freed >= 0).to(lengths.dtype))
     return freed

@@ -3,7 +3,8 @@
 The engine's ragged decode on CUDA (``integrations/sglang/ragged_decode.py``) attends, layer by layer, through
 SGLang's decode kernel (``flattened_attention.launch``): row ``s`` of a layer is one (request, KV head) with its
 query group. ``FlattenedStep`` lays out the rows of ALL layers at once, before the forward, from the store's row
-tables (``RaggedStore.ids`` [slots, L, H, W] and ``lengths`` [slots, L, H]), so that the forward itself (what a CUDA
+tables (a ``RowTable``'s rows, each with its own capacity in one flat buffer, or a dense [slots, L, H, W] table, and
+``lengths`` [slots, L, H]), so that the forward itself (what a CUDA
 graph captures) only reads fixed buffers:
 
 - rows in (layer, request, head) order: with ``B`` requests this step (padded: a row whose slot is -1 holds
@@ -50,7 +51,7 @@ GPU_SPLITS, GPU_SMALL_BATCH_SPLITS = 32, 64  # what the engine runs on a GPU (in
 if triton is not None:
 
     @triton.jit
-    def _copy_rows_kernel(table_ptr, lengths_ptr, indptr_ptr, slots_ptr, out_ptr, batch, heads, layers, table_width,
+    def _copy_rows_kernel(data_ptr, base_ptr, lengths_ptr, indptr_ptr, slots_ptr, out_ptr, batch, heads, layers,
                           BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (layer, request, head) of this step
         start = tl.program_id(1) * BLOCK
@@ -60,12 +61,23 @@ if triton is not None:
             b = (row // heads) % batch
             layer = row // (heads * batch)
             slot = tl.load(slots_ptr + b).to(tl.int64)
-            base = ((slot * layers + layer) * heads + h) * table_width
+            base = tl.load(base_ptr + (slot * layers + layer) * heads + h)  # where the row's columns start
             cols = start + tl.arange(0, BLOCK)
             held = cols < n
-            ids = tl.load(table_ptr + base + cols, mask=held, other=0)
+            ids = tl.load(data_ptr + base + cols, mask=held, other=0)
             dst = tl.load(indptr_ptr + row).to(tl.int64) + cols
             tl.store(out_ptr + dst, ids.to(tl.int64), mask=held)
+
+
+def row_buffers(table) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, base) of row tables: a ``RowTable``'s own, or a dense [S, L, H, W] tensor's (its flat view, rows every
+    ``W`` columns)."""
+    if isinstance(table, torch.Tensor):
+        if table.dim() != 4:
+            raise InputError(f"row tables: a RowTable or a dense [S, L, H, W] tensor, got {list(table.shape)}")
+        S, L, H, W = table.shape
+        return table.reshape(-1), torch.arange(S * L * H, device=table.device).view(S, L, H) * W
+    return table.data, table.base
 
 
 class FlattenedStep:
@@ -134,18 +146,20 @@ class FlattenedStep:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
-    def fill(self, table: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, width: int) -> None:
-        """Lays out a step of ``B = len(slots)`` requests from the row tables: table int32 [S, L, H, W'], lengths int32
-        [S, L, H], slots int64 [B] on the device (-1: a padding row, which holds nothing); ``width``: at least the
-        longest row of these requests (host; the torch path pads to it)."""
+    def fill(self, table, lengths: torch.Tensor, slots: torch.Tensor, width: int) -> None:
+        """Lays out a step of ``B = len(slots)`` requests from the row tables: ``table`` a ``RowTable`` (``data`` int32,
+        ``base`` int64 [S, L, H]) or a dense int32 [S, L, H, W'], lengths int32 [S, L, H], slots int64 [B] on the device
+        (-1: a padding row, which holds nothing); ``width``: at least the longest row of these requests (host; the
+        torch path pads to it)."""
         L, H = self.layers, self.kv_heads
         B = slots.shape[0]
-        if table.dim() != 4 or tuple(table.shape[1:3]) != (L, H) or tuple(lengths.shape[1:]) != (L, H):
-            raise InputError(f"FlattenedStep.fill: tables [S, {L}, {H}, W] and [S, {L}, {H}], got {list(table.shape)} "
-                             f"and {list(lengths.shape)}")
+        data, base = row_buffers(table)
+        if tuple(base.shape[1:]) != (L, H) or tuple(lengths.shape) != tuple(base.shape):
+            raise InputError(f"FlattenedStep.fill: tables of [S, {L}, {H}] rows and lengths [S, {L}, {H}], got "
+                             f"{list(base.shape)} rows and {list(lengths.shape)}")
         if B > self.max_batch or B == 0:
             raise InputError(f"FlattenedStep.fill: {B} requests, the buffers hold 1 to {self.max_batch}")
-        width = min(int(width), table.shape[-1])
+        width = int(width)
         R, n = B * H, L * B * H
         self.batch = B
         valid, safe, gathered = self._valid[:B], self._safe[:B], self._gathered[:B]
@@ -160,10 +174,10 @@ class FlattenedStep:
         if width > 0:
             if self.use_triton:
                 grid = (n, triton.cdiv(width, COPY_BLOCK))
-                _copy_rows_kernel[grid](table, lens, self.kv_indptr, safe, self.kv_indices, B, H, L, table.stride(2),
+                _copy_rows_kernel[grid](data, base, lens, self.kv_indptr, safe, self.kv_indices, B, H, L,
                                         BLOCK=COPY_BLOCK)
             else:
-                self._copy_rows_torch(table, safe, lens, width, B)
+                self._copy_rows_torch(data, base, safe, lens, width, B)
         # per layer: chunk = max(min_chunk, ceil(total / target_programs)); splits = clamp(ceil(len / chunk), 1, S)
         chunk = self._chunk
         torch.sub(self.kv_indptr[R: n + 1: R], self.kv_indptr[0: n: R], out=chunk)
@@ -172,11 +186,12 @@ class FlattenedStep:
         torch.add(lens.view(L, R), chunk[:, None], out=splits)
         splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.splits_for(R))
 
-    def _copy_rows_torch(self, table, safe, lens, width, B) -> None:
+    def _copy_rows_torch(self, data, base, safe, lens, width, B) -> None:
         """The id copy without Triton: the padded rows [L, B, H, width] scattered, padding to the discard slot."""
         L, H = self.layers, self.kv_heads
-        rows = table.index_select(0, safe)[..., :width].permute(1, 0, 2, 3).reshape(L * B * H, width)
         columns = torch.arange(width, device=self.device)
+        at = (base.index_select(0, safe)[..., None] + columns).clamp(max=data.shape[0] - 1)
+        rows = data[at].permute(1, 0, 2, 3).reshape(L * B * H, width)
         held = columns < lens[:, None]
         dest = torch.where(held, self.kv_indptr[: L * B * H, None].to(torch.int64) + columns, self.kv_indices.shape[0] - 1)
         self.kv_indices.index_put_((dest.reshape(-1),), rows.reshape(-1).to(torch.int64))

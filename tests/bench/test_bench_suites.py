@@ -18,13 +18,13 @@ def test_decode_overhead_times_the_per_step_decision_not_a_compaction(monkeypatc
     from kvzap_export.kernels import torch_ops
 
     real = decode_decision.decide_table
-    monkeypatch.setattr(decode_decision, "decide_table", lambda *a, **k: (calls.append(a[1].shape), real(*a, **k))[1])
+    monkeypatch.setattr(decode_decision, "decide_table", lambda *a, **k: (calls.append(a[3].shape), real(*a, **k))[1])
     monkeypatch.setattr(torch_ops, "threshold_compaction", lambda *a, **k: pytest.fail("a compaction was timed at decode"))
     scorers = {"mlp": BundleScorer(Surrogate(SurrogateConfig(4096, 8, 1, 512)))}
     rows = overhead._decode_rows(overhead.AttentionBlock().eval(), scorers, "cpu", torch.float32, 1024,
                                  {"benchmark": "overhead", "layers_per_call": 2})
     (row,) = rows
-    assert calls and all(shape == (1, 2, overhead.KV_HEADS, 1024) for shape in calls)  # the engine's call: every layer
+    assert calls and all(shape == (1, 2, overhead.KV_HEADS) for shape in calls)  # the engine's call: every layer's rows
     assert row["phase"] == "decode" and row["decision_s"] > 0 and "compaction_s" not in row
     assert row["overhead_time_pct"] == pytest.approx(100 * (row["scoring_s"] + row["decision_s"]) / row["attention_s"])
     assert row["graphed"].startswith("skipped") and "CUDA" in row["graphed"]

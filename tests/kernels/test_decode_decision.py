@@ -68,14 +68,14 @@ def test_the_formula_is_the_ragged_stores_decode_decision():
     store.append([0, 1], [1, 1])  # one decode token each: one position leaves each row's window
     slots = store.slots([0, 1])
     width = int(store.lengths_host[store.slots_host([0, 1])].max())
-    ids = store.ids[slots, :, :, :width].reshape(-1, width).clone()
+    ids = store.table.gather(slots, width).reshape(-1, width).clone()
     lengths = store.lengths[slots].reshape(-1).clone()
     held_before = store.held
     freed_by_store = store.decide_decode([0, 1], -4.0, WINDOW)
     freed = decide_leaving(store.scores, ids, lengths, torch.ones_like(lengths), -4.0, WINDOW)
     assert int((freed >= 0).sum()) == freed_by_store == held_before - store.held
     assert torch.equal(lengths, store.lengths[slots].reshape(-1))
-    after = store.ids[slots, :, :, :width].reshape(-1, width)
+    after = store.table.gather(slots, width).reshape(-1, width)
     for r in range(ids.shape[0]):
         n = int(lengths[r])
         assert torch.equal(ids[r, :n], after[r, :n])
@@ -116,23 +116,40 @@ def _table(seed, slots=6, layers=3, heads=2, width=200, entries=4000):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_decide_table_kernel_and_formula_equal_the_formula_row_by_row(seed):
-    """The engine's call on chosen slots of a row table: the Triton kernel in place (compiled on a GPU, interpreted
-    here) and the torch formula on the rows' tails both give what ``decide_leaving`` gives on every full row alone;
-    rows of other slots are untouched."""
+    """The engine's call on chosen slots of a ``RowTable`` (rows of their own capacities in one buffer, laid out in a
+    shuffled order, some just as wide as they are long): the Triton kernel in place (compiled on a GPU, interpreted
+    here) and the torch formula on the rows' tails both give what ``decide_leaving`` gives on every row alone; every
+    other cell of the buffer is untouched."""
+    from kvzap_export.integrations.row_table import RowTable
+
     scores, ids, lengths = _table(seed)
+    S, L, H, W = ids.shape
+    g = torch.Generator().manual_seed(seed)
+    table = RowTable(S, L, H, 4 * S * L * H * W, "cpu")
+    for slot in torch.randperm(S, generator=g).tolist():  # capacities: the row's length, or up to 40 more
+        need = lengths[slot].to(torch.int64) + torch.randint(0, 2, (L, H), generator=g) * 40
+        table.reserve(torch.tensor([slot]), need[None], lambda *t: t, torch.zeros(S, L, H, dtype=torch.int64))
+    table.write(torch.arange(S), ids, torch.arange(W) < lengths[..., None])
     slots = torch.tensor([4, 0, 2])
     leaving = torch.tensor([1, 1, 0], dtype=torch.int32)
     want_ids, want_len = ids.clone(), lengths.clone()
-    want = torch.full((3, 3, 2), -1, dtype=torch.int32)
+    want = torch.full((3, L, H), -1, dtype=torch.int32)
     for b, slot in enumerate(slots.tolist()):
-        rows, row_len = want_ids[slot].view(6, -1), want_len[slot].view(6)
-        want[b] = decide_leaving(scores, rows, row_len, leaving[b].expand(6), -4.0, WINDOW).view(3, 2)
+        rows, row_len = want_ids[slot].view(L * H, -1), want_len[slot].view(L * H)
+        want[b] = decide_leaving(scores, rows, row_len, leaving[b].expand(L * H), -4.0, WINDOW).view(L, H)
     assert (want >= 0).any() and (want < 0).any()
     for use_triton in (False, True):
-        got_ids, got_len = ids.clone(), lengths.clone()
-        k = _on_kernel_device(scores, got_ids, got_len, slots, leaving) if use_triton else (scores, got_ids, got_len, slots, leaving)
+        data, got_len = table.data.clone(), lengths.clone()
+        args = (scores, data, table.base, got_len, slots, leaving)
+        k = _on_kernel_device(*args) if use_triton else args
         freed = decide_table(*k, -4.0, WINDOW, use_triton=use_triton)
         assert torch.equal(freed.cpu(), want), use_triton
-        assert torch.equal(k[1].cpu(), want_ids) and torch.equal(k[2].cpu(), want_len), use_triton
-
-
+        assert torch.equal(k[3].cpu(), want_len), use_triton
+        after = k[1].cpu()
+        at = table.index(torch.arange(S), torch.arange(W))
+        held = torch.arange(W) < want_len[..., None]
+        assert torch.equal(after[at][held], want_ids[held]), use_triton  # every row's held entries, as decided
+        untouched = torch.ones_like(after, dtype=torch.bool)
+        untouched[at[torch.arange(W) < lengths[..., None]]] = False  # the rows' cells held before the decision
+        untouched[-1] = False  # the scratch cell
+        assert torch.equal(after[untouched], table.data[untouched]), use_triton

@@ -81,6 +81,11 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "ScheduleBatch.batch_is_full", "field"),
     ApiName(_SCHED, "Scheduler.on_idle", "method", ("self",)),
     ApiName(_SCHED, "Scheduler.is_fully_idle", "method", ("self",)),
+    # ragged mode learns its exact free count where SGLang acts on a short one (ragged_pool.allocator_class)
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.evict_to_free_tokens", "method",
+            ("self", "tree_cache", "num_tokens")),
+    ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.check_decode_capacity", "method",
+            ("self",)),
     ApiName(_SB, "ScheduleBatch.reqs", "field"),
     ApiName(_SB, "ScheduleBatch.forward_mode", "field"),
     ApiName(_SB, "ScheduleBatch.req_to_token_pool", "field"),

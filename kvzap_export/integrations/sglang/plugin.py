@@ -165,9 +165,11 @@ def _step_end_hook(result, *args, **kwargs):
     if rt.stats is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()) and batch.reqs:
         counts = tallies()
         rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None, scheduler)
-    if allocator.available_size() > before:
+    if allocator.available_size() > before or getattr(rt, "decided_on_device", False):
         # SGLang stops admitting prefills once one did not fit (``batch_is_full``) and clears that flag only when a
-        # request leaves the batch; KVzap's eviction frees memory without any request leaving, so clear it here.
+        # request leaves the batch; KVzap's eviction frees memory without any request leaving, so clear it here
+        # (ragged mode on a GPU: its decisions' frees reach the host later, so any decision clears it; SGLang sets it
+        # again if a prefill still does not fit).
         scheduler.running_batch.batch_is_full = False
         batch.batch_is_full = False
 
@@ -175,6 +177,17 @@ def _step_end_hook(result, *args, **kwargs):
 @one_line
 def _positions_hook(result, *args, **kwargs):
     runtime().shift_positions(result)
+
+
+def _exact_at_idle_hook(scheduler, *args, **kwargs):
+    """BEFORE ``Scheduler.on_idle`` (ragged mode): once the scheduler is fully idle, the store waits for its last
+    snapshot (the device is idle: nothing to wait for long), so SGLang's idle check (``available + evictable ==
+    max_total_num_tokens``) reads exact figures, not the lower bounds a GPU's pending snapshot leaves."""
+    from kvzap_export.integrations.sglang.ragged_pool import built_store
+
+    store = built_store()
+    if store is not None and scheduler.is_fully_idle():
+        store.exact()
 
 
 @one_line
@@ -249,6 +262,7 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
         from kvzap_export.integrations.sglang import ragged
 
         ragged.register(register, kind, one_line)
+        register(api("Scheduler.on_idle").target, _exact_at_idle_hook, kind.BEFORE)
         resolution = sglang_module(api("register_resolution_hook").module)
         resolution.register_resolution_hook("handle_cuda_graph_config")(prefill_graphs_default)
     if mode == "evict":

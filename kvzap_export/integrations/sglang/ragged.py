@@ -56,6 +56,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         super().__init__(*args, **kwargs)
         self.choices: dict[int, str] = {}  # row -> "prefill" | "decoding" for the requests KVzap prunes
         self.pruned_fraction = pruned_fraction  # KVZAP_PRUNED_FRACTION: τ set from the first prompts' scores
+        self.decided_on_device = False  # the last step end decided something (its frees may reach the host later)
 
     @counted("forward")
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
@@ -80,6 +81,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         extend, decode = mode.is_extend(), mode.is_decode()
         global _STEP
         self.forget_finished()
+        self.decided_on_device = False
         step, _STEP = _STEP, None
         if not (extend or decode) or not batch.reqs:
             return
@@ -108,6 +110,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
                 prompts.append(idx)
             elif decode and choice == "decoding":
                 decoding.append(idx)
+        self.decided_on_device = bool(prompts or decoding)  # the plugin reopens admission (plugin._step_end_hook)
         if self.pruned_fraction is not None and prompts:
             self._threshold_from_scores(store, prompts)
         p = self.policy

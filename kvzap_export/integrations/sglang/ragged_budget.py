@@ -6,11 +6,11 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
 
 - its score (the store's dtype), kept until a decision tests it;
 - its slot in the free list (int32);
-- ``TABLE_COLUMNS`` columns of the row tables (int32 ids). The tables hold, for every request row held, as many
-  columns as the longest row: about ``1 / (1 - freed)`` columns per entry of a full pool of like-length requests
-  (freed requests make room for more rows, each as wide as its full length), plus up to a quarter of growth in each
-  dimension. Three columns per entry cover pools whose requests free up to about half of their entries; past that
-  (or many short rows beside one long one) the tables outgrow the reservation and the store warns once;
+- ``TABLE_COLUMNS`` columns of the row tables (int32 entry ids), allocated with the pool. Each (request, layer, KV
+  head) row has its own capacity (``integrations/row_table.py``): at most a quarter more than it holds once rows are
+  packed, plus ``MIN_COLUMNS`` of rounding, so a full pool's rows need about 1.25 columns per entry whatever the
+  pruning or the mix of long and short requests; two columns cover that with room for the rounding of up to
+  ``0.75 · entries / MIN_COLUMNS`` rows. Past that the table grows and logs it;
 - on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64);
 - with SGLang's radix cache on (``ragged_radix.py``): its reference count (int32) and record mark (bool), and
   ``SLOT_RECORD_BYTES`` for the slots' records (a logical slot's entry ids, int32 per (layer, KV head), and its
@@ -20,9 +20,8 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
 The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the budget that leaves room for these:
 ``budget · kv / (kv + extras)`` per entry (one entry kept back for the store's scratch row), so the pool SGLang
 derives plus the bookkeeping fits what ``--mem-fraction-static`` gives. A ``--max-total-tokens`` cap still applies after (a smaller pool, the
-same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. The row tables never
-shrink (their width follows the longest row held so far), and growing them holds the old and the new tables for the
-copy. The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's request rows once they exist)
+same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. Packing the row
+tables' rows holds the old and the new buffer for the copy (a table-sized transient). The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's request rows once they exist)
 are not in the budget: the backend's launch log states their size.
 """
 
@@ -35,7 +34,7 @@ import torch
 from kvzap_export.errors import ConfigError
 
 _PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
-TABLE_COLUMNS = 3  # row-table columns reserved per entry (module docstring)
+TABLE_COLUMNS = 2  # row-table columns reserved per entry (module docstring)
 SLOT_RECORDS = 2  # logical slots' records reserved per dense token, radix cache on (module docstring)
 SLOT_RECORD_BYTES = SLOT_RECORDS * (4 + 1)  # per entry: SLOT_RECORDS slots' int32 entry id (+ at most a byte of mark)
 

@@ -112,7 +112,7 @@ class DecodeBuffers:
         self.new_ids[:, :, :n].copy_(new_ids)
         self.new_ids[:, :, n:batch].fill_(self.store.scratch)
         width = max(self.store.widths(rows)) if n else 0
-        self.flat.fill(self.store.ids, self.store.lengths, self.slots[:batch], width)
+        self.flat.fill(self.store.table, self.store.lengths, self.slots[:batch], width)
         return BufferedDecode(self.new_ids[:, :, :batch])
 
     def capture_layout(self, batch: int) -> BufferedDecode:

@@ -70,6 +70,23 @@ def allocator_class():
             # soft), so that available + evictable is the room an eviction and a reclaim can make (ragged_radix.py)
             return self.store.reclaimable // self.entries_per_token - self.tree.evictable_size()
 
+        # On a GPU ``available_size()`` is a lower bound until the snapshot of the last decisions and releases has
+        # arrived (ragged_mirror.py). SGLang decides on it without waiting where being short only delays (admission);
+        # where a short figure makes it act (evict cached prefixes, retract running requests one by one) it first
+        # learns the exact figure, waiting for the device: a slow path only.
+        def _exact_if_short(self, num_tokens: int) -> None:
+            if self.store is not None and self.available_size() < num_tokens:
+                self.store.exact()
+
+        def evict_to_free_tokens(self, tree_cache, num_tokens: int):
+            self._exact_if_short(num_tokens)
+            return super().evict_to_free_tokens(tree_cache, num_tokens)
+
+        def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
+            self._exact_if_short(num_tokens)
+            return super().check_decode_capacity(num_tokens=num_tokens, tree_cache=tree_cache, requests=requests,
+                                                 spec_algorithm=spec_algorithm)
+
         def free(self, free_index):
             if isinstance(self.store, SharedRaggedStore) and self.free_group is None:
                 self.store.drop_records(free_index)  # the slots' records end with SGLang's hold on them
@@ -133,7 +150,8 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
         # SGLang checks at idle that the allocator's free count equals its max_total_num_tokens, so the store holds
         # the dense count of entries; its bookkeeping was taken off the budget SGLang sized them with
         # at least the first tables (tiny pools)
-        store.table_budget = max(budget.split(store.capacity)["row_tables"], store.table_bytes())
+        # int32 columns, allocated now, for SGLang's request rows
+        store.reserve_table(budget.split(store.capacity)["row_tables"] // 4, int(kwargs["req_to_token_pool"].size))
         log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads) take %s",
                  store.capacity, tokens, layers, heads, budget.describe(store.capacity))
     return allocator

@@ -58,10 +58,10 @@ def test_the_plans_per_entry_bytes_are_what_the_store_and_the_decode_buffers_all
     step = FlattenedStep(LAYERS, 1, HEADS, 1, DIM, entries, dtype=torch.bfloat16, device="cpu", kernels=object(),
                          use_triton=False)
     assert step.kv_indices.numel() * step.kv_indices.element_size() == want["decode_indices"] + 8
-    # tables as wide as TABLE_COLUMNS columns for each token's (layer, head) entries take the reserved bytes
-    wide = RaggedStore(entries, LAYERS, HEADS, DIM, rows=entries // (LAYERS * HEADS),
-                       width=ragged_budget.TABLE_COLUMNS, dtype=torch.bfloat16)
-    assert wide.ids.numel() * wide.ids.element_size() == want["row_tables"]
+    # the row tables' buffer, TABLE_COLUMNS int32 columns per entry, allocated with the pool (and its scratch cell)
+    store.reserve_table(want["row_tables"] // 4, slots=3)
+    assert store.nbytes()["row_tables"] <= want["row_tables"] + 4  # with the slots' starts and lengths (+ scratch)
+    assert store.nbytes()["row_tables"] > want["row_tables"] - 4 - 4 * LAYERS * HEADS
 
 
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
@@ -90,16 +90,47 @@ def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     assert seen[-1][1] < seen[-2][1]
 
 
-def test_the_store_warns_once_when_its_tables_outgrow_their_reservation(caplog):
-    store = RaggedStore(1000, LAYERS, HEADS, DIM, rows=2, width=4)
-    store.table_budget = store.ids.numel() * store.ids.element_size()
-    with caplog.at_level(logging.WARNING, logger="kvzap_export.integrations.ragged_store"):
-        store.append([0], [4])  # fits the tables as they are
-        assert not caplog.records
-        store.append([1, 2], [8, 8])  # a third row and wider: the tables grow
-        store.append([3, 4], [40, 40])  # and again
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "outgrew" in warned[0], warned
+@pytest.mark.parametrize("pruned", [0.4, 0.7])
+def test_one_long_request_beside_many_short_ones_stays_inside_the_budget(caplog, pruned):
+    """A pool sized from a budget as the engine sizes it (K, V, scores, free list, the row tables' reservation): one
+    long request, its prompt decided at ``pruned`` (τ the quantile of its scores), then as many short requests as the
+    freed room admits, decided too, then decode steps with decisions. What the store allocated never exceeds the
+    budget and its row tables never grow past their reservation. (Row tables as wide as the longest row, for every
+    request held, would take 3.3 MB here beside 50 short ones, against 0.22 MB reserved.)"""
+    budget = 4_000_000
+    p = plan(budget, DIM, DIM, torch.float32, False)
+    entries = dense_tokens(p.dense_budget(), p.kv_bytes) * LAYERS * HEADS
+    store = RaggedStore(entries, LAYERS, HEADS, DIM, rows=4, width=16)
+    store.reserve_table(p.split(entries)["row_tables"] // 4, slots=256)  # up to 256 requests at once
+    per_token, window = LAYERS * HEADS, 16
+    g = torch.Generator().manual_seed(int(pruned * 10))
+
+    def admit(row: int, tokens: int) -> None:
+        new = store.append([row], [tokens])
+        store.scores[new.reshape(-1)] = torch.randn(new.numel(), generator=g)
+        tau = float(torch.nanquantile(store.prompt_scores([row], window), pruned))
+        store.decide_prefill([row], tau, window)
+
+    def inside() -> None:
+        allocated = sum(store.nbytes().values())
+        assert allocated <= budget, (allocated, budget)
+
+    admit(0, int(0.6 * entries / per_token))  # the long one: 60% of the pool's tokens
+    inside()
+    rows = [0]
+    while store.available >= 40 * per_token:  # short prompts into the room the decisions freed
+        rows.append(len(rows))
+        admit(rows[-1], 32)
+        inside()
+    assert len(rows) > 50  # far more requests than a dense pool holds beside the long one
+    for _ in range(8):
+        if store.available < len(rows) * per_token:
+            break
+        store.append(rows, [1] * len(rows))
+        store.decide_decode(rows, 0.0, window)
+        inside()
+    with caplog.at_level(logging.WARNING):
+        assert store.table.grown == 0 and not [r for r in caplog.records if "row tables" in r.getMessage()]
 
 
 def test_sglangs_post_capture_resize_is_refused_in_one_line(monkeypatch):
