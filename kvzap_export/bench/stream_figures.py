@@ -24,7 +24,11 @@ what KVzap's decisions left). From them:
   reading's ``step_tokens``: a chunk counts once, a prefix taken from the radix cache not at all; and per step, with
   its prompt count);
 - radix cache: the prompt tokens SGLang took from its cache over all prompt tokens of the finished requests (its
-  ``meta_info["cached_tokens"]``; 0 with the cache off).
+  ``meta_info["cached_tokens"]``; 0 with the cache off);
+- ragged mode's engine counters: the decode steps whose forward replayed a CUDA graph (``decode_graph_replays``, the
+  readings' cumulative count at its largest: 0 where graphs did not run, e.g. on a CPU) and the τ in effect at the
+  last reading that gives one (``threshold_in_effect``: the bundle's, or the one ``KVZAP_PRUNED_FRACTION`` set); None
+  where the readings carry neither (dense, evict).
 """
 
 from __future__ import annotations
@@ -119,6 +123,8 @@ def run_figures(result: dict) -> dict:
     busiest = max(steps, key=lambda line: _pool_held(line, per_token))
     peak = _pool_held(busiest, per_token)
     pool = steps[0].get("head_slots_pool", steps[0]["pool_slots"] * per_token)
+    replays = [int(r["decode_graph_replays"]) for r in result["readings"] if r.get("decode_graph_replays") is not None]
+    taus = [float(r["threshold"]) for r in result["readings"] if r.get("threshold") is not None]
     cached = [r["cached_tokens"] for r in finished if r.get("cached_tokens") is not None]
     prompt_tokens = sum(r["prompt_tokens"] for r in finished if r.get("cached_tokens") is not None)
     return {
@@ -135,12 +141,13 @@ def run_figures(result: dict) -> dict:
         "prefill_s_per_1k_tokens": 1000 * extend_s / extend_tokens if extend_tokens else None,
         "prefill_s": extend_s, "extend_steps": extend_steps, "launch_s": result["engine"]["launch_seconds"],
         "radix_hit_rate": sum(cached) / prompt_tokens if prompt_tokens else None,
+        "decode_graph_replays": max(replays) if replays else None, "threshold_in_effect": taus[-1] if taus else None,
     }
 
 
 SCALARS = ("tokens_per_s", "requests_per_s", "wall_s", "ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s",
            "max_running", "kv_held_after_prefill", "kv_peak_entries", "freed_at_peak", "prefill_s_per_1k_tokens",
-           "prefill_s", "radix_hit_rate")
+           "prefill_s", "radix_hit_rate", "decode_graph_replays", "threshold_in_effect")
 
 
 def spread(values: list[float]) -> dict:
@@ -165,6 +172,7 @@ def summarize(runs: list[dict]) -> dict:
         keys = sorted({k for r in group for k in r["figures"]["bytes"]})
         entry["bytes"] = {k: max(r["figures"]["bytes"].get(k, 0) for r in group) for k in keys}
         entry["mode"], entry["threshold"] = group[0]["mode"], group[0]["threshold"]
+        entry["pruned_fraction"] = group[0].get("pruned_fraction")
         out[label] = entry
     return out
 

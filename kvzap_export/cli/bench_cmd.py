@@ -7,6 +7,7 @@ import json
 import click
 
 from kvzap_export.bench.sglang_stream import DEFAULT_CONFIGS
+from kvzap_export.cli.engine_args import HELP as ENGINE_ARG_HELP
 
 SUITES = ("scoring", "compaction", "overhead", "e2e")
 
@@ -32,7 +33,9 @@ def _table(title: str, rows: list[dict]):
 
 
 @click.command()
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the suites run; with --engine, where the engine runs (cuda: SGLang's CUDA engine, bf16, its "
+                   "CUDA attention backends for the dense baseline; the engine's Python must see the GPU).")
 @click.option("--only", default=",".join(SUITES), show_default=True, help="Comma-separated suites to run.")
 @click.option("--engine", type=click.Choice(["sglang"]), default=None,
               help="Instead of the suites: a serving engine at a fixed KV budget, dense vs KVzap's evict and ragged "
@@ -70,13 +73,30 @@ def _table(title: str, rows: list[dict]):
                    "dense baseline takes the faster of off and on from its probe). On a CPU engine it gains nothing; "
                    "with it on, ragged mode holds a request that shares a prefix with the prefill in flight for one "
                    "batch, so that it hits that prefill's prompt in the radix cache.")
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+              help="With --engine: dummy = SGLang builds the model from --model's config.json with random weights (no "
+                   "weights or tokenizer needed: Llama-3.1-8B's shapes from its config alone); the prompts are then "
+                   "seeded random token ids and the engine skips its tokenizer. Random weights give meaningless "
+                   "scores: set τ with --pruned-fraction.")
+@click.option("--pruned-fraction", default=None, metavar="F[,F2...]",
+              help="With --engine: τ set in each ragged-mode launch from its first prompts' scores so that fraction F "
+                   "of them lies below it (KVZAP_PRUNED_FRACTION, logged; the bundle's τ is not used); each further F2 "
+                   "adds a ragged run at F2. For models whose scores mean nothing (--load-format dummy). Exclusive with "
+                   "--threshold.")
+@click.option("--dense-overlap", type=click.Choice(["probe", "on", "off"]), default="probe", show_default=True,
+              help="With --engine: SGLang's overlap scheduler in the dense runs: probe (the faster of off and on, from "
+                   "short probe runs) or fixed; with one --dense-backend and a fixed setting no probe runs.")
+@click.option("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
+              help="With --engine: " + ENGINE_ARG_HELP + " Applies to every launch. The benchmark sets the model, the "
+                   "load format, the KV budget, the running cap, attention backends, the radix cache and the overlap "
+                   "scheduler through its own options. On a GPU without flashinfer: --engine-arg sampling_backend=pytorch.")
 @click.option("--with-compile", is_flag=True,
               help="Also time torch.compile'd scoring (minutes of compilation; the engines do not use it: it measured "
                    "slower than eager on an H100).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
-          rounds, threshold, dense_backend, configs, shared_prefix_tokens, kvzap_overlap, with_compile: bool,
-          as_json: bool) -> None:
+          rounds, threshold, dense_backend, configs, shared_prefix_tokens, kvzap_overlap, load_format, pruned_fraction,
+          dense_overlap, engine_arg, with_compile: bool, as_json: bool) -> None:
     """Benchmark KVzap: surrogate scoring (the engines' eager path, on a GPU also inside a CUDA graph; ONNX
     Runtime on a CPU), threshold compaction at 4k/32k/128k tokens (on a GPU the fused Triton and CUDA kernels as
     engines launch them), overhead vs one attention block at the model's dtype (Llama-3.1-8B shapes; at decode
@@ -96,13 +116,20 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
         from kvzap_export.cli.engine_bench import run_engine_bench
 
         run_engine_bench(bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                         dense_backend, as_json, configs, shared_prefix_tokens, kvzap_overlap == "on")
+                         dense_backend, as_json, configs, shared_prefix_tokens, kvzap_overlap == "on", device=device,
+                         load_format=load_format, pruned_fraction=pruned_fraction,
+                         dense_overlap={"probe": None, "on": True, "off": False}[dense_overlap], engine_arg=engine_arg)
         return
+    from kvzap_export.errors import ConfigError
+
+    given = [name for name, value in (("--load-format", load_format != "auto"), ("--pruned-fraction", pruned_fraction),
+                                      ("--dense-overlap", dense_overlap != "probe"), ("--engine-arg", engine_arg)) if value]
+    if given:
+        raise ConfigError(f"{given[0]}: it sets the engine benchmark; add --engine sglang")
     import torch
 
     from kvzap_export.bench.run import run_bench
     from kvzap_export.cli.progress import progress_bars
-    from kvzap_export.errors import ConfigError
 
     chosen = tuple(s.strip() for s in only.split(",") if s.strip())
     unknown = [s for s in chosen if s not in SUITES]

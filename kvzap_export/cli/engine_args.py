@@ -11,7 +11,7 @@ import re
 from kvzap_export.errors import ConfigError
 
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-HELP = ("Extra argument of the serving engine, KEY=VALUE (sglang.Engine's keyword, e.g. sampling_backend=pytorch, "
+HELP = ("an extra argument of the serving engine, KEY=VALUE (sglang.Engine's keyword, e.g. sampling_backend=pytorch, "
         "mem_fraction_static=0.3, cuda_graph_max_bs_decode=16); repeat for more. VALUE is read as JSON where it is JSON "
         "(numbers, true/false), else as a string.")
 

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from kvzap_export.errors import ConfigError
+
 
 def _fmt(spread: dict, digits: int = 3) -> str:
     """median [min–max] of the rounds."""
@@ -23,7 +25,14 @@ ROWS = (("output tokens/s (whole stream)", "tokens_per_s"), ("requests/s", "requ
         ("most running at once", "max_running"), ("K/V entries after a prompt", "kv_held_after_prefill"),
         ("K/V entries at the peak", "kv_peak_entries"), ("freed at each request's peak", "freed_at_peak"),
         ("prefill s per 1k prompt tokens computed", "prefill_s_per_1k_tokens"),
-        ("prompt tokens from the radix cache", "radix_hit_rate"), ("wall (s)", "wall_s"))
+        ("prompt tokens from the radix cache", "radix_hit_rate"), ("τ in effect (ragged readings)", "threshold_in_effect"),
+        ("decode steps replaying a CUDA graph", "decode_graph_replays"), ("wall (s)", "wall_s"))
+# What --engine-arg may not set: the benchmark sets it, per configuration or through an option of its own.
+RESERVED = {"model_path": "--model", "load_format": "--load-format", "skip_tokenizer_init": "--load-format dummy",
+            "max_total_tokens": "--pool-tokens", "max_running_requests": "--requests (and the ragged-at-dense cap)",
+            "attention_backend": "--dense-backend (KVzap's modes set their own)", "disable_radix_cache": "--configs",
+            "disable_overlap_schedule": "--kvzap-overlap / --dense-overlap"}
+PRUNING_RAGGED = ("ragged", "ragged-radix", "ragged-at-dense")  # the ragged configurations in which KVzap decides
 
 
 def _tables(report: dict):
@@ -39,6 +48,12 @@ def _tables(report: dict):
         keys = key if isinstance(key, tuple) else (key,)
         figures.add_row(name, *[" / ".join(_fmt(entry[k]) for k in keys) for entry in summary.values()])
     figures.add_row("MB allocated (every buffer)", *[f"{sum(e['bytes'].values()) / 1e6:.1f}" for e in summary.values()])
+    memory = {r["label"]: r.get("gpu_memory") for r in report["runs"] if r.get("gpu_memory")}
+    if memory:  # a GPU engine: the device's memory in use at the stream's end (the last round's)
+        figures.add_row("GPU GB in use at the end / SGLang's static plan",
+                        *[f"{memory[label]['used_bytes'] / 1e9:.1f} / "
+                          f"{(memory[label].get('mem_fraction_static') or 0) * memory[label]['total_bytes'] / 1e9:.1f}"
+                          if label in memory else "–" for label in summary])
     ratios = Table(title=f"against {report['settings'].get('baseline', 'dense')} (medians)")
     ratios.add_column("figure")
     for label in versus:
@@ -54,15 +69,39 @@ def _tables(report: dict):
     return figures, ratios
 
 
+def engine_gpu_name(interpreter: str) -> str:
+    """The GPU's name as the engine's Python sees it (asked in a child process: this one opens no CUDA context, which
+    would hold GPU memory during the runs)."""
+    import subprocess
+
+    done = subprocess.run([interpreter, "-c", "import torch; print(torch.cuda.get_device_name(0))"], capture_output=True,
+                          text=True, timeout=300)
+    return done.stdout.strip() or "unknown GPU"
+
+
+def check_fractions(fractions: tuple, threshold, chosen: tuple[str, ...]) -> None:
+    if not fractions:
+        return
+    if threshold is not None:
+        raise ConfigError(f"--pruned-fraction with --threshold {threshold:g}: both set τ; give one of them")
+    if not set(PRUNING_RAGGED) & set(chosen):
+        raise ConfigError(f"--pruned-fraction: no configuration in --configs prunes with KVzap's ragged mode; add one of "
+                          f"{', '.join(PRUNING_RAGGED)}")
+    if len(fractions) > 1 and "ragged" not in chosen:
+        raise ConfigError("--pruned-fraction with several fractions: the further ones are runs beside 'ragged'; add "
+                          "ragged to --configs")
+
+
 def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
                      dense_backend, as_json, configs: str | None = None, shared: int = 0,
-                     kvzap_overlap: bool = True) -> None:
+                     kvzap_overlap: bool = True, device: str = "cpu", load_format: str = "auto",
+                     pruned_fraction: str | None = None, dense_overlap: bool | None = None, engine_arg=()) -> None:
     from kvzap_export.bench.run import SCHEMA
-    from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, baseline_of, bench_sglang,
-                                                  check_shared_prefix, parse_configs)
+    from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, GPU_DENSE_BACKENDS, baseline_of,
+                                                  bench_sglang, check_shared_prefix, parse_configs, parse_fractions)
     from kvzap_export.bench.timing import machine
-    from kvzap_export.errors import ConfigError
-    from kvzap_export.validate.engine_level import engine_python
+    from kvzap_export.cli.engine_args import parse_engine_args
+    from kvzap_export.validate.engine_level import check_engine_gpu, engine_python
 
     if not bundle or not model:
         raise ConfigError("bench --engine sglang needs --bundle BUNDLE and --model DIR (kvzap-export export-model ...)")
@@ -79,18 +118,34 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     if new_tokens < 2:
         raise ConfigError(f"--new-tokens {new_tokens}: must be at least 2 (the first token comes from the prefill; "
                           "the benchmark compares decode steps)")
+    fractions = parse_fractions(pruned_fraction)
+    check_fractions(fractions, threshold, chosen)
+    extra = parse_engine_args(engine_arg, RESERVED)
     interpreter = engine_python(python)
-    backends = CPU_DENSE_BACKENDS if dense_backend == "auto" else (dense_backend,)
-    count = len(chosen) + (threshold is not None and "ragged" in chosen)
+    if device == "cuda":
+        check_engine_gpu(interpreter)
+    backends = ((GPU_DENSE_BACKENDS if device == "cuda" else CPU_DENSE_BACKENDS) if dense_backend == "auto"
+                else (dense_backend,))
+    count = len(chosen) + (threshold is not None and "ragged" in chosen) + ("ragged" in chosen) * len(fractions[1:])
+    probes = len(backends) * (2 if dense_overlap is None else 1)
     say = lambda line: click.echo(line, err=True)  # noqa: E731  (stderr: --json's document goes to stdout)
-    say(f"SGLang stream benchmark: {requests} requests x {prompt_tokens} prompt tokens"
+    say(f"SGLang stream benchmark ({'GPU' if device == 'cuda' else 'CPU'} engine{', dummy weights' * (load_format == 'dummy')}): "
+        f"{requests} requests x {prompt_tokens} prompt tokens"
         f"{f' ({shared} shared)' if shared else ''} x {new_tokens} new tokens, {rounds} interleaved rounds of {count} "
         f"configurations ({', '.join(chosen)}; {rounds * count} engine launches"
-        f", after a probe of dense's {len(backends) * 2} settings); ratios against {baseline_of(chosen)}; KVzap's "
-        f"configurations with SGLang's overlap scheduler {'on' if kvzap_overlap else 'off'}")
+        f"{f', after a probe of dense settings ({probes} launches)' if probes > 1 else ''}); ratios against "
+        f"{baseline_of(chosen)}; KVzap's configurations with SGLang's overlap scheduler {'on' if kvzap_overlap else 'off'}")
+    if fractions:
+        say(f"τ: set in each ragged launch from its first prompts' scores so that {', '.join(f'{f:.0%}' for f in fractions)} "
+            "of them lie below it (KVZAP_PRUNED_FRACTION; the bundle's τ is not used)"
+            + (": random weights give meaningless scores" if load_format == "dummy" else ""))
+    if rounds == 1:
+        say("one round: each figure is one run, not a median")
     result = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
-                          backends, on_event=say, configs=chosen, shared=shared, kvzap_overlap=kvzap_overlap)
-    report = {"schema": SCHEMA, "machine": machine("cpu"), "device": "cpu", "date": datetime.date.today().isoformat(),
+                          backends, engine=extra, on_event=say, configs=chosen, shared=shared, kvzap_overlap=kvzap_overlap,
+                          pruned_fractions=fractions, load_format=load_format, device=device, dense_overlap=dense_overlap)
+    name = engine_gpu_name(interpreter) if device == "cuda" else machine("cpu")
+    report = {"schema": SCHEMA, "machine": name, "device": device, "date": datetime.date.today().isoformat(),
               "command": "kvzap-export bench --engine sglang", **result}
     if as_json:
         click.echo(json.dumps(report, indent=2))

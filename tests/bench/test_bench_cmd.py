@@ -78,3 +78,58 @@ def test_engine_bench_passes_kvzap_overlap_to_the_benchmark(tmp_path, capsys, mo
     assert seen == {"kvzap_overlap": expected}
     said = capsys.readouterr().err
     assert f"KVzap's configurations with SGLang's overlap scheduler {'on' if expected else 'off'}" in said
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--pruned-fraction", "0.7", "--threshold", "-3"], ["--pruned-fraction", "--threshold -3", "give one of them"]),
+    (["--pruned-fraction", "1.5"], ["--pruned-fraction '1.5'", "strictly between 0 and 1"]),
+    (["--pruned-fraction", "0.7", "--configs", "dense,ragged-off"], ["--pruned-fraction", "ragged-at-dense"]),
+    (["--pruned-fraction", "0.7,0.4", "--configs", "dense,ragged-radix"], ["several fractions", "add ragged"]),
+    (["--engine-arg", "max_total_tokens=9"], ["--engine-arg max_total_tokens", "--pool-tokens"]),
+    (["--engine-arg", "attention_backend=fa3"], ["--engine-arg attention_backend", "--dense-backend"]),
+    (["--engine-arg", "nonsense"], ["--engine-arg 'nonsense'", "KEY=VALUE"]),
+])
+def test_engine_bench_refuses_bad_gpu_settings_in_one_line(tmp_path, capsys, args, named):
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and all(text in err for text in named), err
+
+
+@pytest.mark.parametrize("args", [["--load-format", "dummy"], ["--pruned-fraction", "0.7"], ["--dense-overlap", "on"],
+                                  ["--engine-arg", "a=1"]])
+def test_engine_options_need_the_engine(capsys, args):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and args[0] in err and "--engine sglang" in err
+
+
+def test_the_gpu_engine_settings_reach_the_benchmark(tmp_path, capsys, monkeypatch):
+    """--device cuda, --load-format dummy, --pruned-fraction, --dense-overlap, --engine-arg reach the benchmark (the
+    engine runs are replaced: the command's plumbing is checked); the GPU is checked in the engine's Python, its name
+    taken from there; the console says how τ is set and that one round is not a median."""
+    from kvzap_export.bench import sglang_stream
+    from kvzap_export.cli import engine_bench
+
+    seen = {}
+
+    def fake_bench(*args, **kwargs):
+        seen.update(kwargs, dense_backends=args[9])
+        return {"settings": {}, "dense_backend": {}, "runs": [], "summary": {}, "vs_dense": {}}
+
+    monkeypatch.setattr(sglang_stream, "bench_sglang", fake_bench)
+    monkeypatch.setattr("kvzap_export.validate.engine_level.check_engine_gpu", lambda python: seen.setdefault("gpu", python))
+    monkeypatch.setattr(engine_bench, "engine_gpu_name", lambda python: "NVIDIA H200")
+    python = tmp_path / "python"
+    python.write_text("")
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--engine-python",
+                 str(python), "--device", "cuda", "--load-format", "dummy", "--pruned-fraction", "0.7,0.4",
+                 "--dense-backend", "triton", "--dense-overlap", "on", "--rounds", "1", "--configs",
+                 "dense,ragged,ragged-off", "--engine-arg", "sampling_backend=pytorch", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["machine"] == "NVIDIA H200" and json.loads(captured.out)["device"] == "cuda"
+    assert seen["gpu"] == str(python) and seen["device"] == "cuda" and seen["load_format"] == "dummy"
+    assert seen["pruned_fractions"] == (0.7, 0.4) and seen["dense_overlap"] is True
+    assert seen["engine"] == {"sampling_backend": "pytorch"} and seen["dense_backends"] == ("triton",)
+    assert "4 engine launches" in captured.err and "probe" not in captured.err
+    assert "70%, 40% of them lie below it" in captured.err and "random weights give meaningless scores" in captured.err
+    assert "one round: each figure is one run, not a median" in captured.err

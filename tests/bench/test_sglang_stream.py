@@ -39,7 +39,7 @@ def test_the_plan_turns_the_radix_cache_on_for_dense_radix_only_and_caps_after_t
     launched = []
     running = {"dense, radix": 5, "ragged": 9, "ragged at dense's concurrency": 5}
 
-    def fake_stream(python, spec):
+    def fake_stream(python, spec, **launch):
         label = ("dense, radix" if spec["mode"] == "dense" else
                  "ragged at dense's concurrency" if spec["engine"]["max_running_requests"] != 4 else "ragged")
         launched.append((label, spec))
@@ -77,7 +77,7 @@ def test_kvzap_overlap_off_turns_the_overlap_scheduler_off_in_kvzaps_runs_only(m
     setting (here on, the faster probe), and the settings record the choice."""
     launched = []
 
-    def fake_stream(python, spec):
+    def fake_stream(python, spec, **launch):
         launched.append(spec)
         fast = spec["mode"] == "dense" and spec["engine"].get("disable_overlap_schedule") is False
         return {"fast": fast, "engine": {"args": spec["engine"]}}
@@ -106,10 +106,11 @@ def _figures(tokens_per_s: float, max_running: int) -> dict:
 
 def _bench_without_tokenizer():
     class Bench(sglang_stream.StreamBench):
-        def __init__(self, bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared):
+        def __init__(self, bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared,
+                     **settings):
             self.bundle, self.model, self.python, self.requests = bundle, model, python, requests
             self.prompt_tokens, self.new_tokens, self.shared = prompt_tokens, new_tokens, shared
-            self.pool_tokens = 100
+            self.pool_tokens, self.device = 100, settings.get("device", "cpu")
             self.prompts = [[1] * prompt_tokens for _ in range(requests)]
             self.engine = {"max_total_tokens": 100, "max_running_requests": requests, "disable_radix_cache": True}
 
@@ -117,3 +118,74 @@ def _bench_without_tokenizer():
             return {"shared_prefix_tokens": self.shared}
 
     return Bench
+
+
+def test_pruned_fractions_go_to_every_ragged_launch_and_nowhere_else(monkeypatch):
+    """--pruned-fraction 0.7,0.4: each ragged-mode launch gets KVZAP_PRUNED_FRACTION (the first fraction for the ragged
+    configurations, ragged-off included, where it decides nothing; a further run at 0.4), dense none; labels say the
+    fraction; the runs record it; the device reaches every launch; a fixed backend and overlap setting probe nothing."""
+    launched = []
+
+    def fake_stream(python, spec, device="cpu", env=None):
+        launched.append((spec["mode"], spec["stream"][0]["kvzap"], device, env))
+        return {"engine": {"args": spec["engine"]}, "gpu_memory": {"used_bytes": 7}}
+
+    monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
+    monkeypatch.setattr(sglang_stream, "run_figures", lambda result: _figures(1.0, 2))
+    monkeypatch.setattr(sglang_stream, "StreamBench", _bench_without_tokenizer())
+    out = sglang_stream.bench_sglang("b", "m", "python", requests=4, rounds=1, dense_backends=("triton",),
+                                     configs=("dense", "ragged", "ragged-off"), pruned_fractions=(0.7, 0.4),
+                                     device="cuda", dense_overlap=True)
+    assert launched == [("dense", "decoding", "cuda", None),
+                        ("ragged", "decoding", "cuda", {"KVZAP_PRUNED_FRACTION": "0.7"}),
+                        ("ragged", "decoding", "cuda", {"KVZAP_PRUNED_FRACTION": "0.4"}),
+                        ("ragged", "off", "cuda", {"KVZAP_PRUNED_FRACTION": "0.7"})]
+    assert [(r["label"], r["pruned_fraction"]) for r in out["runs"]] == [
+        ("dense", None), ("ragged, 70% pruned", 0.7), ("ragged, 40% pruned", 0.4), ("ragged, KVzap off", 0.7)]
+    assert out["dense_backend"] == {"candidates": {}, "chosen": "triton", "overlap": True, "probe": None}
+    assert out["runs"][0]["gpu_memory"] == {"used_bytes": 7}
+    assert out["settings"]["pruned_fractions"] == [0.7, 0.4] and out["settings"]["device"] == "cuda"
+    with pytest.raises(ConfigError, match="--threshold and --pruned-fraction"):
+        sglang_stream.bench_sglang("b", "m", "python", threshold=-3.0, pruned_fractions=(0.5,))
+
+
+def test_the_launch_environment_by_device_and_fraction(monkeypatch):
+    monkeypatch.setenv("KVZAP_PRUNED_FRACTION", "0.9")  # never inherited: the plugin refuses it outside ragged mode
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    cpu = sglang_stream.launch_env("cpu")
+    assert cpu["SGLANG_USE_CPU_ENGINE"] == "1" and "KVZAP_PRUNED_FRACTION" not in cpu
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    gpu = sglang_stream.launch_env("cuda", {"KVZAP_PRUNED_FRACTION": "0.4"})
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu and gpu["KVZAP_PRUNED_FRACTION"] == "0.4"
+    assert gpu["PATH"] == sglang_stream.os.environ["PATH"]
+
+
+def test_dummy_weights_get_seeded_random_prompts_and_no_tokenizer(tmp_path):
+    """--load-format dummy: prompts are seeded random ids within the config's vocabulary, special ids left out, a shared
+    prefix kept; the engine loads dummy weights and skips its tokenizer (the directory has none)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50, "bos_token_id": 0, "eos_token_id": [1, 2]}))
+    bench = sglang_stream.StreamBench("b", str(tmp_path), "python", requests=3, prompt_tokens=40, new_tokens=4,
+                                      shared=8, load_format="dummy", engine={"sampling_backend": "pytorch"})
+    again = sglang_stream.StreamBench("b", str(tmp_path), "python", requests=3, prompt_tokens=40, new_tokens=4,
+                                      shared=8, load_format="dummy")
+    assert bench.prompts == again.prompts and all(len(p) == 40 for p in bench.prompts)
+    assert len({tuple(p[:8]) for p in bench.prompts}) == 1 and len({tuple(p[8:]) for p in bench.prompts}) == 3
+    ids = {t for p in bench.prompts for t in p}
+    assert ids <= set(range(3, 50)) and len(ids) > 30
+    assert bench.engine["load_format"] == "dummy" and bench.engine["skip_tokenizer_init"] is True
+    assert bench.engine["sampling_backend"] == "pytorch"
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no vocab_size"):
+        sglang_stream.StreamBench("b", str(tmp_path), "python", load_format="dummy")
+
+
+@pytest.mark.parametrize("text, ok", [("0.7", (0.7,)), ("0.7,0.4,0.7", (0.7, 0.4)), ("1", None), ("0", None),
+                                      ("most", None), ("", None)])
+def test_pruned_fractions_are_strictly_between_0_and_1(text, ok):
+    if ok is None:
+        with pytest.raises(ConfigError, match="strictly between 0 and 1"):
+            sglang_stream.parse_fractions(text)
+    else:
+        assert sglang_stream.parse_fractions(text) == ok

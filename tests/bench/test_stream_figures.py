@@ -178,3 +178,18 @@ def test_prefill_counts_the_tokens_each_step_computed_and_the_radix_hit_rate():
     f = run_figures({"readings": lines, "stream": stream, "wall_seconds": 4.0, "engine": {"launch_seconds": 1.0}})
     assert f["kv_peak_entries"] == (30 - 12) * LH
     assert run_figures(result(ragged=False))["radix_hit_rate"] is None  # a stream without SGLang's counts
+
+
+def test_ragged_readings_give_the_replay_count_and_the_tau_in_effect():
+    """The cumulative count of decode steps that replayed a CUDA graph (its largest reading, idle lines too) and the last
+    τ a reading gives; readings without them (dense) give None, and the medians carry them."""
+    run = result(ragged=True)
+    for i, line in enumerate(run["readings"]):
+        line.update(decode_graph_replays=max(0, i - 2), threshold=-1.25 if i < 4 else -0.5)
+    f = run_figures(run)
+    assert f["decode_graph_replays"] == 5 and f["threshold_in_effect"] == -0.5
+    dense = run_figures(result(ragged=False))
+    assert dense["decode_graph_replays"] is None and dense["threshold_in_effect"] is None
+    entry = summarize([{"round": 1, "label": "ragged", "mode": "ragged", "threshold": None, "pruned_fraction": 0.7,
+                        "figures": f}])["ragged"]
+    assert entry["decode_graph_replays"]["median"] == 5 and entry["pruned_fraction"] == 0.7

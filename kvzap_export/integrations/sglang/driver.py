@@ -20,7 +20,10 @@ memory allows), those with ``abort_after`` are aborted that many seconds after s
 SGLang without KVzap (readings only). Result: ``{"engine", "stream": [{"rid", "output_ids", "finish", "seconds",
 "t_submit", "t_done", "prompt_tokens", "cached_tokens"}], "readings": [every reading line], "wall_seconds"}``;
 ``t_submit`` / ``t_done`` are wall-clock times (``time.time()``, the clock of the readings); ``cached_tokens``: the
-prompt tokens SGLang took from its radix cache (SGLang's ``meta_info``; 0 with the cache off).
+prompt tokens SGLang took from its radix cache (SGLang's ``meta_info``; 0 with the cache off). ``gpu_memory``: on a
+CUDA machine, the device's memory in use at the stream's end, read from NVML (every process: SGLang's scheduler, where
+the model runs, keeps its caching allocator's peak reservation; this process opens no CUDA context), its total, and
+``mem_fraction_static`` as SGLang resolved it (its plan for weights and K/V); None elsewhere.
 """
 
 from __future__ import annotations
@@ -145,6 +148,24 @@ def _engine_info(spec: dict, launch_s: float, engine=None) -> dict:
             "resolved": resolved, "launch_seconds": launch_s}
 
 
+def _gpu_memory(engine) -> dict | None:
+    """The ``gpu_memory`` field of a stream's result (module docstring)."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        return None
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0))
+    except Exception:  # no NVML here (a machine without an NVIDIA driver, or without nvidia-ml-py)
+        return None
+    server_args = getattr(engine, "server_args", None)
+    settled = server_args.resolved_dict() if server_args is not None else {}
+    return {"used_bytes": int(info.used), "total_bytes": int(info.total), "source": "NVML, whole device, at the stream's end",
+            "mem_fraction_static": settled.get("mem_fraction_static")}
+
+
 def stream(spec: dict) -> dict:
     """Submits every request of ``spec["stream"]`` at once; aborts the ones with ``abort_after``."""
     import asyncio
@@ -181,10 +202,12 @@ def stream(spec: dict) -> dict:
         results = engine.loop.run_until_complete(everything())
         wall = time.perf_counter() - t0
         time.sleep(spec.get("settle_seconds", 2.0))  # the scheduler goes idle and writes its idle reading
+        memory = _gpu_memory(engine)
     finally:
         engine.shutdown()
     readings = [json.loads(line) for line in stats.read_text().splitlines()] if stats.is_file() else []
-    return {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall}
+    return {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall,
+            "gpu_memory": memory}
 
 
 def run(spec: dict, progress=None) -> dict:

@@ -26,3 +26,28 @@ def test_the_cpu_engine_keeps_float32(monkeypatch):
     args = engine_args({"model": "m", "mode": "ragged"})
     assert args["dtype"] == "float32" and args["device"] == "cpu" and args["attention_backend"] == "kvzap_ragged"
     assert engine_args({"model": "m", "mode": "dense", "engine": {"dtype": "bfloat16"}})["dtype"] == "bfloat16"
+
+
+def test_gpu_memory_comes_from_nvml_on_a_gpu_engine_and_is_none_on_the_cpu(monkeypatch):
+    """A stream's ``gpu_memory``: NVML's whole-device reading (no CUDA context in the driver) beside SGLang's resolved
+    mem_fraction_static, on the device CUDA_VISIBLE_DEVICES names first; None on the CPU engine or without NVML."""
+    import sys
+    import types
+
+    from kvzap_export.integrations.sglang import driver
+
+    asked = []
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: asked.append(i) or i,
+                                 nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=30 * 2**30, total=140 * 2**30))
+    engine = types.SimpleNamespace(server_args=types.SimpleNamespace(resolved_dict=lambda: {"mem_fraction_static": 0.8}))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    memory = driver._gpu_memory(engine)
+    assert memory["used_bytes"] == 30 * 2**30 and memory["total_bytes"] == 140 * 2**30 and asked == [3]
+    assert memory["mem_fraction_static"] == 0.8
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert driver._gpu_memory(engine) is None
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace())  # no NVML calls: no reading, no error
+    assert driver._gpu_memory(engine) is None
