@@ -80,6 +80,16 @@ def _tokenizer(byte_vocab: bool):
     return load_llm("smollm2-135m", dtype="float32")[1]
 
 
+def _special_ids(tokenizer, byte_vocab: bool) -> dict:
+    """The config's vocabulary and special ids. With the byte vocabulary the model declares no end-of-sequence id:
+    among 259 tokens a random model picks its eos now and then, and a reference generated with ``min_new_tokens``
+    (kvpress's, validate's model level) has that token suppressed while an engine asked to ignore eos does not, so the
+    two would differ for a reason that is no part of KVzap. Generation then simply runs to its length."""
+    eos = None if byte_vocab else tokenizer.eos_token_id
+    return {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
 def _scaled_up(model):
     """Weights larger than the default init, drawn from torch's generator as it stands after the model's own init
     (seeded just before it): attention is peaked, logits well apart (module docstring)."""
@@ -97,8 +107,7 @@ def tiny_qwen3(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
     from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
 
     tokenizer = _tokenizer(byte_vocab)
-    config = Qwen3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_QWEN3)
+    config = Qwen3Config(**_special_ids(tokenizer, byte_vocab), **TINY_QWEN3)
     torch.manual_seed(seed)
     model = _scaled_up(Qwen3ForCausalLM(config))
     return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer
@@ -111,8 +120,7 @@ def tiny_llama(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
     from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
 
     tokenizer = _tokenizer(byte_vocab)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_LLAMA)
+    config = LlamaConfig(**_special_ids(tokenizer, byte_vocab), **TINY_LLAMA)
     torch.manual_seed(seed)
     model = _scaled_up(LlamaForCausalLM(config))
     return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer

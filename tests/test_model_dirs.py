@@ -43,6 +43,7 @@ def test_tiny_llama_with_the_byte_vocabulary_is_a_small_gqa_llama_with_a_linear_
     assert main(["export-model", "tiny-llama", "--byte-vocab", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 259
+    assert config.get("eos_token_id") is None  # a 259-token model would pick its eos now and then (_special_ids)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 4, 32)
     assert sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) < 3e6
     surrogate = json.loads((out / "kvzap-surrogate" / "config.json").read_text())
