@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One command that checks a GPU machine: correctness of every GPU path and the GPU figures, in about 7 minutes.
+# One command that checks a GPU machine: correctness of every GPU path and the GPU figures, in about 7 minutes for the
+# kernels and about 8 more for the SGLang engine.
 #
 #   bash scripts/gpu_check.sh OUTDIR [BUNDLE ...]
+#   GPU_CHECK_STEPS=engine bash scripts/gpu_check.sh OUTDIR      (one part: kernels | engine; default all)
 #
 # Runs from a plain checkout (PYTHONPATH=. is enough: nothing is installed) on a machine with an NVIDIA GPU, torch,
 # Triton, nvcc and compute-sanitizer; no network, TensorRT, onnxruntime-gpu or SGLang needed. Steps, each with its
@@ -20,7 +22,26 @@
 #   7. scripts/bench_ragged_decode.py (ragged decode attention: ours vs SDPA over every and over the kept entries,
 #      Llama-3.1-8B decode shapes; one decoder layer's decode step in CUDA graphs, dense vs ragged, replayed 50 steps
 #      against eager, and its parts - front, K/V write, scoring, attention, back, decisions - each in its own graph,
-#      naming the kernel).
+#      naming the kernel);
+#   8. SGLang 0.5.23 on this GPU (its own budget, $GPU_CHECK_ENGINE_BUDGET seconds, default 540), from two folders
+#      built on a CPU machine and carried (else each of its steps is recorded as not run, with why): .gpu/engine
+#      (SGLang and what it needs, scripts/sglang_gpu/build_engine.py) and .gpu/engine-check (tiny models and bundles
+#      with kvpress's reference tokens, a Llama-3.1-8B-shaped config: scripts/sglang_gpu/prepare_engine_check.py).
+#      engine_install: .gpu/engine/install.sh into $GPU_CHECK_WORK/site; SGLang's processes then run python3 with that
+#      site, the checkout and the plugin's entry point (.gpu/engine-check/plugin) on PYTHONPATH, and
+#      SGLANG_FORCE_FUSED_OP_BACKEND=torch (SGLang's JIT kernels need nvcc and tvm-ffi at run time: not yet seen to
+#      build there; KVZAP_SGLANG_FUSED_OP_BACKEND=jit tries them). engine_parity_<model>_<mode>: validate --engine
+#      sglang --device cuda on the tiny Llama and the tiny Qwen3 (the two models side by side, their modes one after
+#      the other), ragged with SGLang's default CUDA graphs (the plugin turns the default prefill graphs off), mask and
+#      evict with graphs off, --engine-arg sampling_backend=pytorch (no flashinfer) mem_fraction_static=0.3 (two
+#      engines share the GPU): SGLang's greedy tokens vs kvpress's, and ragged mode's count of decode steps that
+#      replayed a CUDA graph (0 fails). engine_dummy_bundle: the Llama-3.1-8B dummy-weights bundle (built here,
+#      meanwhile). engine_bench_8k / engine_bench_32k: bench --engine sglang --device cuda --load-format dummy at
+#      Llama-3.1-8B's shapes, bf16, one round (one run per configuration: not a median), a KV budget of 3 requests (8k
+#      prompts; 12 requests x 512 new tokens: dense, ragged at 70% and 40% pruned, ragged with KVzap off) and of 1
+#      request (32k prompts; 4 requests x 256 new tokens: dense, ragged at 70%), τ set by the pruned fraction
+#      (KVZAP_PRUNED_FRACTION: dummy weights give meaningless scores), the dense baseline on SGLang's triton backend
+#      (no flashinfer, no FlashAttention kernels there).
 # Then scripts/gpu_check_summary.py writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.md (every figure with the
 # device name) and sets the exit status: 0 (PASSED) only when every check ran and passed, 1 (FAILED) when one
 # failed, 3 (INCOMPLETE) when nothing failed but something did not run, for any reason (each listed, with why, at
@@ -35,6 +56,13 @@
 #   KVZAP_SGLANG_KERNELS=PATH   SGLang 0.5.23's wheel, or a zip/folder holding its
 #                               sglang/kernels/ops/attention/{decode_attention,score_mod}.py (steps 3 and 7);
 #   PYTHON                      the interpreter (default python3);
+#   GPU_CHECK_STEPS             all (default), kernels (steps 1-7) or engine (step 8): the other part's steps are
+#                               recorded as not run (the verdict is then at best INCOMPLETE);
+#   GPU_CHECK_ENGINE_BUDGET     step 8's budget in seconds (default 540), counted from its start;
+#   GPU_CHECK_WORK              step 8's scratch folder (default /tmp/kvzap-gpu-check; emptied first): the installed
+#                               engine and the 8B dummy bundle, kept out of OUTDIR;
+#   KVZAP_SGLANG_ENGINE, KVZAP_ENGINE_CHECK   the two folders of step 8 (default .gpu/engine, .gpu/engine-check);
+#   KVZAP_SGLANG_FUSED_OP_BACKEND   torch (default) or jit: SGLang's fused ops in step 8 (see above);
 #   GPU_CHECK_COMMIT=REV        the commit the summary records, where the checkout's git metadata is not the tree's
 #                               own (a copied working tree).
 set -uo pipefail
@@ -49,6 +77,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET:-420}"
 START=$(date +%s)
+PART="${GPU_CHECK_STEPS:-all}"
+case "$PART" in all|kernels|engine) ;; *) echo "gpu_check: GPU_CHECK_STEPS=$PART: use all, kernels or engine" >&2; exit 2 ;; esac
 
 for i in "${!BUNDLES[@]}"; do
   b="${BUNDLES[$i]}"
@@ -109,6 +139,8 @@ missing() {  # missing NAME WHY: a step this machine cannot run (recorded, count
 # arguments, not inside a shell string: any path works)
 TO_FILE=(bash -c '"${@:2}" > "$1"' to_file)
 
+KERNEL_STEPS=(build_cuda_library bench_ragged_decode pytest_kernels pytest_gpu sanitizer_memcheck bench_kernels bench_cuda)
+kernel_part() {
 # 1. the CUDA library, once for every step: nvcc works on the CPU, in the background, while the ragged decode benchmark
 # (the open issue's measurement, first so that no budget cut reaches it) has the GPU to itself (its graphed figures
 # do not depend on the host; its eager ones may feel nvcc's load)
@@ -163,4 +195,85 @@ step bench_kernels 90 "$PY" scripts/bench_kernels.py --reps 30 --json "$OUT/benc
   ${KVZAP_CUDA_LIB:+--cuda-lib "$KVZAP_CUDA_LIB"}
 step bench_cuda 150 "${TO_FILE[@]}" "$OUT/bench-cuda.json" "$PY" -m kvzap_export.cli.main bench --device cuda \
   --only scoring,compaction,overhead,e2e --json
+}
+
+if [ "$PART" = engine ]; then
+  for name in "${KERNEL_STEPS[@]}"; do missing "$name" "not selected (GPU_CHECK_STEPS=engine)"; done
+  i=0
+  for b in "${BUNDLES[@]}"; do
+    i=$((i + 1)); missing "validate_$i" "not selected (GPU_CHECK_STEPS=engine)"; printf '%s\t%s\n' "validate_$i" "$b" >> "$OUT/bundles.tsv"
+  done
+else
+  kernel_part
+fi
+
+# 8. SGLang on this GPU (see the top): its own budget, counted from here
+ENGINE_DIR="${KVZAP_SGLANG_ENGINE:-$REPO/.gpu/engine}"
+CHECK_DIR="${KVZAP_ENGINE_CHECK:-$REPO/.gpu/engine-check}"
+WORK="${GPU_CHECK_WORK:-/tmp/kvzap-gpu-check}"
+PARITY_STEPS=(engine_parity_llama_ragged engine_parity_llama_mask engine_parity_llama_evict
+              engine_parity_qwen3_ragged engine_parity_qwen3_mask engine_parity_qwen3_evict)
+ENGINE_STEPS=(engine_install engine_dummy_bundle "${PARITY_STEPS[@]}" engine_bench_8k engine_bench_32k)
+ok() { awk -F'\t' -v n="$1" '$1 == n { rc = $2 } END { exit rc == "0" ? 0 : 1 }' "$OUT/steps.tsv"; }
+engine_part() {
+  local why="" name
+  [ -x "$ENGINE_DIR/install.sh" ] || why="no SGLang bundle at $ENGINE_DIR: build it on a CPU machine (python scripts/sglang_gpu/build_engine.py) and carry .gpu/engine"
+  [ -n "$why" ] || [ -f "$CHECK_DIR/manifest.json" ] || why="no $CHECK_DIR/manifest.json: run python scripts/sglang_gpu/prepare_engine_check.py on a CPU machine and carry .gpu/engine-check"
+  if [ -n "$why" ]; then
+    for name in "${ENGINE_STEPS[@]}"; do missing "$name" "$why"; done
+    return
+  fi
+  START=$(date +%s); BUDGET="${GPU_CHECK_ENGINE_BUDGET:-540}"
+  rm -rf "$WORK" && mkdir -p "$WORK" || { for name in "${ENGINE_STEPS[@]}"; do missing "$name" "cannot create $WORK"; done; return; }
+  step engine_install 180 "${TO_FILE[@]}" "$OUT/engine-install.env" bash "$ENGINE_DIR/install.sh" "$WORK/site"
+  if ! ok engine_install; then
+    for name in "${ENGINE_STEPS[@]:1}"; do missing "$name" "the engine did not install (engine_install.log)"; done
+    return
+  fi
+  local fused="${KVZAP_SGLANG_FUSED_OP_BACKEND:-torch}"
+  local env_args=(env "PYTHONPATH=$PYTHONPATH:$WORK/site:$CHECK_DIR/plugin")
+  if [ "$fused" = jit ]; then env_args+=(-u SGLANG_FORCE_FUSED_OP_BACKEND); else env_args+=("SGLANG_FORCE_FUSED_OP_BACKEND=$fused"); fi
+  "$PY" - "$OUT/engine-settings.json" "$fused" "$ENGINE_DIR" "$CHECK_DIR" <<'PY'
+import json, sys
+out, fused, engine, check = sys.argv[1:]
+manifest = json.load(open(f"{check}/manifest.json"))
+json.dump({"fused_op_backend": fused, "engine_dir": engine, "engine_check_commit": manifest.get("kvzap_export_commit"),
+           "parity_engine_args": "sampling_backend=pytorch mem_fraction_static=0.3",
+           "bench_engine_args": "sampling_backend=pytorch; dense on triton, overlap on"}, open(out, "w"))
+PY
+  local pids=() model mode
+  for model in llama qwen3; do
+    (
+      for mode in ragged mask evict; do
+        name="engine_parity_${model}_${mode}"
+        step "$name" 200 "${TO_FILE[@]}" "$OUT/$name.json" "${env_args[@]}" "$PY" -m kvzap_export.cli.main validate \
+          "$CHECK_DIR/tiny-$model/bundle" --engine sglang --engine-mode "$mode" --model "$CHECK_DIR/tiny-$model/model" \
+          --device cuda --engine-python "$PY" --json --engine-arg sampling_backend=pytorch \
+          --engine-arg mem_fraction_static=0.3
+      done
+    ) &
+    pids+=($!)
+  done
+  step engine_dummy_bundle 120 "$PY" scripts/sglang_gpu/prepare_engine_check.py --dummy-bundle "$WORK/llama-3.1-8b-bundle" \
+    --config "$CHECK_DIR/llama-3.1-8b"
+  for pid in "${pids[@]}"; do wait "$pid"; done  # the timings below run with the GPU to themselves
+  if ! ok engine_dummy_bundle; then
+    for name in engine_bench_8k engine_bench_32k; do missing "$name" "no dummy-weights bundle (engine_dummy_bundle.log)"; done
+    return
+  fi
+  local bench=("${env_args[@]}" "$PY" -m kvzap_export.cli.main bench --engine sglang --device cuda
+               --bundle "$WORK/llama-3.1-8b-bundle" --model "$CHECK_DIR/llama-3.1-8b" --engine-python "$PY"
+               --load-format dummy --dense-backend triton --dense-overlap on --rounds 1
+               --engine-arg sampling_backend=pytorch --json)
+  step engine_bench_8k 300 "${TO_FILE[@]}" "$OUT/engine-bench-8k.json" "${bench[@]}" --prompt-tokens 8192 \
+    --new-tokens 512 --requests 12 --pool-tokens $((3 * (8192 + 512 + 2))) --configs dense,ragged,ragged-off \
+    --pruned-fraction 0.7,0.4
+  step engine_bench_32k 200 "${TO_FILE[@]}" "$OUT/engine-bench-32k.json" "${bench[@]}" --prompt-tokens 32768 \
+    --new-tokens 256 --requests 4 --pool-tokens $((32768 + 256 + 2)) --configs dense,ragged --pruned-fraction 0.7
+}
+if [ "$PART" = kernels ]; then
+  for name in "${ENGINE_STEPS[@]}"; do missing "$name" "not selected (GPU_CHECK_STEPS=kernels)"; done
+else
+  engine_part
+fi
 "$PY" scripts/gpu_check_summary.py "$OUT"

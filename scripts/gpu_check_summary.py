@@ -8,7 +8,7 @@ run, for any reason.
 
 Checks (correctness): each step's exit status (0 passes; validate's 3, "incomplete", is not run); the GPU tests
 (JUnit XML); compute-sanitizer's error summary; every validate report's verdict; the ragged benchmark's exactness
-and replay checks. Not run, each listed with why at the top of the markdown and never shown ✓: a step skipped,
+and replay checks; the SGLang engine's parity per model and mode and its CUDA graph replays (gpu_check_engine.py). Not run, each listed with why at the top of the markdown and never shown ✓: a step skipped,
 missing on this machine, stopped by the overall budget, or absent from steps.tsv (every step gpu_check.sh always
 runs is expected, and validate on each BUNDLE); a step's output file absent; a test skipped for any reason (a
 check with a failed test stays failed); what a validate report did not run (its checks that ran get their own ✓
@@ -17,7 +17,7 @@ benchmark's sections without rows, its rows skipped past its budget, a partial r
 Targets (performance, reported met / missed, which does not set the exit status): the CUDA and Triton fused
 compaction >= 5x the torch reference at 128k tokens; scoring + per-step decision <= 5% of one attention block at
 decode (32k cache, CUDA graphs) and scoring + compaction <= 2% at 32k prefill (MLP surrogate); the ragged
-benchmark's own targets.
+benchmark's own targets; SGLang's ragged mode vs dense at Llama-3.1-8B's shapes (gpu_check_engine.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from gpu_check_engine import ENGINE_STEPS, engine_device, engine_parts
+
 # what gpu_check.sh always runs or records as missing (plus validate_<i> for each BUNDLE in bundles.tsv)
 STEPS = ("build_cuda_library", "bench_ragged_decode", "pytest_kernels", "pytest_gpu", "sanitizer_memcheck",
-         "bench_kernels", "bench_cuda")
+         "bench_kernels", "bench_cuda", *ENGINE_STEPS)
 NOT_STARTED = ("skipped", "missing", "absent")  # steps.tsv rc of a step that never started
 BENCH_SUITES = ("scoring", "compaction", "overhead", "e2e")  # bench --only in gpu_check.sh
 RAGGED_SECTIONS = ("exactness", "attention", "layer", "replay", "parts")  # bench_ragged_decode.py's default --only
@@ -74,7 +76,7 @@ def _step_check(step: dict, out: Path) -> dict:
     if rc in (124, 137) and step["cut_by_budget"]:  # stopped by the overall budget, not by its own limit
         return _not_run(name, f"stopped after {step['seconds']} s: the check's time budget ran out")
     detail = f"exit {rc} in {step['seconds']} s" + (" (its time limit)" if rc in (124, 137) else "")
-    if rc == 3 and step["step"].startswith("validate"):  # validate's "incomplete": nothing failed, not all ran
+    if rc == 3 and step["step"].startswith(("validate", "engine_parity")):  # validate's "incomplete": not all ran
         return _not_run(name, f"{detail}: incomplete, some of its checks did not run (listed below)")
     return {"check": name, "status": "passed" if rc == 0 else "failed", "detail": detail}
 
@@ -254,7 +256,7 @@ def _ragged(data: dict | None, device: str, step: dict, out: Path) -> tuple[list
 def summarize(out: Path) -> tuple[dict, int]:
     kernels, bench, ragged = _json(out / "bench-kernels.json"), _json(out / "bench-cuda.json"), _json(out / "ragged-decode.json")
     device = next((d for d in ((kernels or {}).get("meta", {}).get("device"), (bench or {}).get("machine"),
-                               (ragged or {}).get("device")) if d), _gpu_name())
+                               (ragged or {}).get("device"), engine_device(out)) if d), _gpu_name())
     bundles = dict(line.split("\t") for line in (out / "bundles.tsv").read_text().splitlines()) \
         if (out / "bundles.tsv").is_file() else {}
     steps = {s["step"]: {**s, "result": _step_check(s, out)} for s in _steps(out, bundles)}
@@ -265,6 +267,8 @@ def summarize(out: Path) -> tuple[dict, int]:
                              (_ragged, ragged, "bench_ragged_decode")):
         more_figures, more_checks, more_targets = part(data, device, steps[step], out)
         figures, checks, targets = figures + more_figures, checks + more_checks, targets + more_targets
+    more_figures, more_checks, more_targets = engine_parts(out, steps, device)
+    figures, checks, targets = figures + more_figures, checks + more_checks, targets + more_targets
     failed = [c["check"] for c in checks if c["status"] == "failed"]
     not_run = [c["check"] for c in checks if c["status"] == "not run"] + \
         [f"target: {t['target']}" for t in targets if t["met"] is None]
@@ -319,7 +323,8 @@ def markdown(summary: dict) -> str:
     lines += ["## Checks", ""] + [f"- {mark[c['status']]} {c['check']}: {c['detail']}" for c in summary["checks"]]
     lines += ["", "## Targets (performance; met / missed does not set the verdict, not measured does)", ""]
     lines += [f"- {'– not measured' if t['met'] is None else 'met' if t['met'] else 'MISSED'}: {t['target']}: "
-              f"{_fmt(t['value'])} (limit {t['limit']}; {t['device']})" for t in summary["targets"]]
+              f"{_fmt(t['value'])} (limit {t['limit']}; {t['device']})" + (f"; {t['note']}" if t.get("note") else "")
+              for t in summary["targets"]]
     lines += ["", "## Figures", "", f"Measured on {summary['device']} unless a row's device says otherwise (ONNX Runtime "
               "and the CPU torch reference run on the host CPU); the JSON holds them all with the device on each row.", ""]
     by_source: dict[str, list[dict]] = {}

@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check_summary  # noqa: E402
 
+from tests.gpu_check_engine_files import write_engine_run  # noqa: E402
+
 
 def _has_gpu() -> bool:
     import torch
@@ -44,13 +46,14 @@ STEPS = ("build_cuda_library", "bench_ragged_decode", "validate_1", "pytest_kern
 
 def _write_run(out: Path, *, steps=None, sanitizer_errors=0, validate_verdict="passed", not_run=(), pytest_failures=0,
                skip_reason=None, ragged_exact=True, ragged=None, bench=None, kernel_impls=("cuda", "triton"),
-               sanitizer_log=None, bundles=True) -> None:
+               sanitizer_log=None, bundles=True, engine=None) -> None:
     """The files of a run where every step ran and every check passed; the keywords break one part of it.
     ``steps``: NAME -> "rc\tseconds\tcut" (None: the row is absent); ``ragged`` / ``bench``: keys replaced in the
-    ragged report / bench's results."""
+    ragged report / bench's results; ``engine``: keywords of the SGLang steps' files (gpu_check_engine_files.py)."""
     out.mkdir()
     validate_rc = {"passed": "0", "failed": "1", "incomplete": "3"}[validate_verdict]
-    rows = {name: "0\t30\t0" for name in STEPS} | {"validate_1": f"{validate_rc}\t40\t0"} | (steps or {})
+    rows = {name: "0\t30\t0" for name in STEPS} | {"validate_1": f"{validate_rc}\t40\t0"}
+    rows |= write_engine_run(out, **{"device": GPU, **(engine or {})}) | (steps or {})
     (out / "steps.tsv").write_text("".join(f"{name}\t{row}\n" for name, row in rows.items() if row is not None))
     if bundles:
         (out / "bundles.tsv").write_text("validate_1\t/nowhere/b32\n")
