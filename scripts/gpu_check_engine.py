@@ -11,7 +11,8 @@ What the engine steps leave in OUTDIR (gpu_check.sh, step 8):
   replay count, the device's memory at the stream's end beside SGLang's static plan); a ragged run that replayed no
   decode graph fails; the targets (reported, not gating): ragged at 70% pruned >= 1.5x dense and at 40% >= 1.2x
   (8k prompts), with KVzap's own share (ragged vs ragged with KVzap off) and the requests running beside each; ragged's
-  device memory within dense's (the per-head pool lives inside the KV budget SGLang planned).
+  device memory within dense's (the per-head pool lives inside the KV budget SGLang planned). A run whose launch failed
+  (the benchmark goes on with the others and exits 1) fails.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def bench_parts(out: Path, steps: dict, gpu: str) -> tuple[list[dict], list[dict
             continue
         device = data.get("machine") or gpu
         runs = data.get("runs") or []
+        if data.get("errors"):
+            checks.append(_check(f"{label}: runs that failed", "failed",
+                                 [f"{e.get('label')}: {e.get('error')}" for e in data["errors"]]))
         figures += [_row(run, data, device) for run in runs]
         ragged = [r for r in runs if r.get("mode") == "ragged"]
         zero = [r["label"] for r in ragged if r["figures"].get("decode_graph_replays") == 0]

@@ -187,3 +187,15 @@ def test_the_jit_setting_leaves_sglangs_fused_ops_to_sglang(tmp_path):
                 KVZAP_SGLANG_FUSED_OP_BACKEND="jit", SGLANG_FORCE_FUSED_OP_BACKEND="torch")
     calls = [line.split("\t") for line in (tmp_path / "calls.tsv").read_text().splitlines()]
     assert calls and all(c[1] == "unset" for c in calls if " validate " in c[2] or " bench " in c[2])
+
+
+def test_a_throughput_run_that_failed_fails_the_check_and_keeps_the_others_rows(tmp_path):
+    _write_run(tmp_path / "out", steps={"engine_bench_32k": "1\t90\t0"})
+    report = bench(32768)
+    report["runs"] = report["runs"][1:]  # dense did not launch: the ragged run's row stays
+    report["errors"] = [{"round": 1, "label": "dense", "error": "NotImplementedError: a stand-in op"}]
+    (tmp_path / "out" / "engine-bench-32k.json").write_text(json.dumps(report))
+    code, summary, _ = _summary(tmp_path / "out")
+    failed = next(c for c in summary["checks"] if c["check"].endswith("(engine-bench-32k.json): runs that failed"))
+    assert code == 1 and failed["status"] == "failed" and "dense: NotImplementedError" in failed["detail"][0]
+    assert [r["config"] for r in summary["figures"] if "32768 prompt tokens" in r["source"]] == ["ragged, 70% pruned"]

@@ -267,7 +267,8 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                  kvzap_overlap: bool = True, pruned_fractions: tuple[float, ...] = (), load_format: str = "auto",
                  device: str = "cpu", dense_overlap: bool | None = None) -> dict:
     """Interleaved rounds of every configuration; returns the settings, each run's figures, the medians with
-    spread per configuration and the comparisons with the baseline (``stream_figures.summarize`` / ``compare``).
+    spread per configuration and the comparisons with the baseline (``stream_figures.summarize`` / ``compare``), and
+    ``errors``: the runs whose launch failed (the others ran; no comparison without the baseline).
     ``dense_overlap``: the dense runs' overlap scheduler, fixed (None: the probe's choice)."""
     if threshold is not None and pruned_fractions:
         raise ConfigError("--threshold and --pruned-fraction both set τ of a second ragged run; give one of them")
@@ -296,20 +297,32 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                      for f in pruned_fractions[1:]]
     # a run capped at the baseline's concurrency needs the baseline's run of its round first
     plan.sort(key=lambda c: c[6] == "baseline")
-    runs, started = [], time.perf_counter()
+    runs, errors, started = [], [], time.perf_counter()
     total = rounds * len(plan)
     for number in range(1, rounds + 1):
-        base_running = None
+        base_running, base_failed = None, False
         for label, mode, tau, backend, choice, radix, running, fraction in plan:
             cap = base_running if running == "baseline" else None
+            if running == "baseline" and base_failed:
+                errors.append({"round": number, "label": label, "error": f"not run: {baseline}'s run of the round failed"})
+                continue
             if running == "baseline" and not cap:
                 raise ConfigError(f"'ragged at dense's concurrency' needs {baseline}'s most running requests of the round, "
                                   "but it ran no decode step; give --new-tokens 2 or more")
             spec = bench.spec(mode, tau, backend, choice=choice, running=cap, radix=radix,
                               overlap=dense["overlap"] if mode == "dense" else kvzap_overlap_arg)
             env = {"KVZAP_PRUNED_FRACTION": str(fraction)} if fraction is not None else None
-            result = run_stream(python, spec, device=device, env=env)
-            figures = run_figures(result)
+            try:  # a launch that fails is recorded and the others still run (their figures are worth having)
+                result = run_stream(python, spec, device=device, env=env)
+                figures = run_figures(result)
+            except (RuntimeError, ValueError) as exc:
+                lines = [line for line in str(exc).splitlines() if line.strip()]
+                errors.append({"round": number, "label": label, "error": (lines or ["no message"])[-1][:500],
+                               "log_tail": str(exc)[-3000:]})
+                base_failed = base_failed or label == baseline
+                if on_event:
+                    on_event(f"round {number}, {label}: FAILED: {errors[-1]['error']}")
+                continue
             if label == baseline:
                 base_running = figures["max_running"]
             args = result["engine"]["args"]
@@ -327,10 +340,11 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                          f"{figures['max_running']} running at most, wall {figures['wall_s']:.0f} s "
                          f"(elapsed {elapsed:.0f} s, about {eta:.0f} s left)")
     summary = summarize(runs)
+    versus = compare(summary, runs, baseline) if baseline in summary else {}
     return {"settings": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
                          "pool_tokens": bench.pool_tokens, "rounds": rounds, "second_threshold": threshold,
                          "pruned_fractions": list(pruned_fractions), "load_format": load_format, "device": device,
                          "configs": list(configs), "baseline": baseline, "engine_args": bench.engine,
                          "kvzap_overlap": kvzap_overlap, "dense_overlap": dense_overlap,
                          **bench.provenance()},
-            "dense_backend": dense, "runs": runs, "summary": summary, "vs_dense": compare(summary, runs, baseline)}
+            "dense_backend": dense, "runs": runs, "summary": summary, "vs_dense": versus, "errors": errors}

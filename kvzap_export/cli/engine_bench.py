@@ -149,7 +149,17 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
               "command": "kvzap-export bench --engine sglang", **result}
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
+    else:
+        _print(report, kvzap_overlap)
+    if report.get("errors"):
+        from kvzap_export.errors import BenchFailedError
+
+        raise BenchFailedError(f"bench --engine sglang: {len(report['errors'])} run(s) failed (the others' figures are "
+                               "above): " + "; ".join(f"round {e['round']} {e['label']}: {e['error']}"
+                                                      for e in report["errors"]))
+
+
+def _print(report: dict, kvzap_overlap: bool) -> None:
     from rich.console import Console
 
     console = Console()
@@ -157,5 +167,6 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     console.print(f"{report['machine']} · {report['date']} · baseline: {report['settings']['baseline']}, SGLang's "
                   f"{dense['chosen']} backend, overlap scheduler {'on' if dense.get('overlap') else 'off'}; KVzap's "
                   f"configurations: overlap scheduler {'on' if kvzap_overlap else 'off'}")
-    for table in _tables(report):
-        console.print(table)
+    if report["summary"]:
+        for table in _tables(report):
+            console.print(table)

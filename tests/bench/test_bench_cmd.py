@@ -133,3 +133,19 @@ def test_the_gpu_engine_settings_reach_the_benchmark(tmp_path, capsys, monkeypat
     assert "4 engine launches" in captured.err and "probe" not in captured.err
     assert "70%, 40% of them lie below it" in captured.err and "random weights give meaningless scores" in captured.err
     assert "one round: each figure is one run, not a median" in captured.err
+
+
+def test_failed_runs_print_the_report_and_exit_1_in_one_line(tmp_path, capsys, monkeypatch):
+    from kvzap_export.bench import sglang_stream
+
+    monkeypatch.setattr(sglang_stream, "bench_sglang", lambda *a, **k: {
+        "settings": {"baseline": "dense"}, "dense_backend": {"chosen": "triton"}, "runs": [], "summary": {}, "vs_dense": {},
+        "errors": [{"round": 1, "label": "dense", "error": "NotImplementedError: fa3"}]})
+    python = tmp_path / "python"
+    python.write_text("")
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--engine-python",
+                 str(python), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["errors"][0]["label"] == "dense"
+    last = captured.err.strip().splitlines()[-1]
+    assert "1 run(s) failed" in last and "round 1 dense: NotImplementedError: fa3" in last

@@ -189,3 +189,25 @@ def test_pruned_fractions_are_strictly_between_0_and_1(text, ok):
             sglang_stream.parse_fractions(text)
     else:
         assert sglang_stream.parse_fractions(text) == ok
+
+
+def test_a_failed_launch_is_recorded_and_the_other_runs_still_run(monkeypatch):
+    """A launch that fails (e.g. the dense baseline on a backend this GPU lacks) is recorded with its last line; the
+    other configurations run; without the baseline there is no comparison, and the run capped at its concurrency is
+    recorded as not run."""
+    def fake_stream(python, spec, **launch):
+        if spec["mode"] == "dense":
+            raise RuntimeError("SGLang dense run failed:\nTraceback ...\nNotImplementedError: fa3 is a stand-in")
+        return {"engine": {"args": spec["engine"]}}
+
+    monkeypatch.setattr(sglang_stream, "run_stream", fake_stream)
+    monkeypatch.setattr(sglang_stream, "run_figures", lambda result: _figures(1.0, 2))
+    monkeypatch.setattr(sglang_stream, "StreamBench", _bench_without_tokenizer())
+    events = []
+    out = sglang_stream.bench_sglang("b", "m", "python", requests=4, rounds=1, dense_backends=("fa3",), dense_overlap=True,
+                                     configs=("dense", "ragged", "ragged-at-dense"), on_event=events.append)
+    assert [r["label"] for r in out["runs"]] == ["ragged"] and out["vs_dense"] == {}
+    assert [(e["label"], e["error"]) for e in out["errors"]] == [
+        ("dense", "NotImplementedError: fa3 is a stand-in"),
+        ("ragged at dense's concurrency", "not run: dense's run of the round failed")]
+    assert any("dense: FAILED: NotImplementedError" in e for e in events)
