@@ -41,7 +41,8 @@
 #      prompts; 12 requests x 512 new tokens: dense, ragged at 70% and 40% pruned, ragged with KVzap off) and of 1
 #      request (32k prompts; 4 requests x 256 new tokens: dense, ragged at 70%), τ set by the pruned fraction
 #      (KVZAP_PRUNED_FRACTION: dummy weights give meaningless scores), the dense baseline on SGLang's triton backend
-#      (no flashinfer, no FlashAttention kernels there).
+#      (no flashinfer, no FlashAttention kernels there); each run is also saved as it finishes (--save-runs), so a
+#      benchmark cut short still reports what ran.
 # Then scripts/gpu_check_summary.py writes OUTDIR/gpu-check.json and OUTDIR/gpu-check.md (every figure with the
 # device name) and sets the exit status: 0 (PASSED) only when every check ran and passed, 1 (FAILED) when one
 # failed, 3 (INCOMPLETE) when nothing failed but something did not run, for any reason (each listed, with why, at
@@ -267,9 +268,10 @@ PY
                --engine-arg sampling_backend=pytorch --json)
   step engine_bench_8k 300 "${TO_FILE[@]}" "$OUT/engine-bench-8k.json" "${bench[@]}" --prompt-tokens 8192 \
     --new-tokens 512 --requests 12 --pool-tokens $((3 * (8192 + 512 + 2))) --configs dense,ragged,ragged-off \
-    --pruned-fraction 0.7,0.4
+    --pruned-fraction 0.7,0.4 --save-runs "$OUT/engine-bench-8k.runs.jsonl"
   step engine_bench_32k 200 "${TO_FILE[@]}" "$OUT/engine-bench-32k.json" "${bench[@]}" --prompt-tokens 32768 \
-    --new-tokens 256 --requests 4 --pool-tokens $((32768 + 256 + 2)) --configs dense,ragged --pruned-fraction 0.7
+    --new-tokens 256 --requests 4 --pool-tokens $((32768 + 256 + 2)) --configs dense,ragged --pruned-fraction 0.7 \
+    --save-runs "$OUT/engine-bench-32k.runs.jsonl"
 }
 if [ "$PART" = kernels ]; then
   for name in "${ENGINE_STEPS[@]}"; do missing "$name" "not selected (GPU_CHECK_STEPS=kernels)"; done

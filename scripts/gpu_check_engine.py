@@ -18,12 +18,14 @@ What the engine steps leave in OUTDIR (gpu_check.sh, step 8):
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 MODELS = {"llama": "tiny Llama", "qwen3": "tiny Qwen3"}
 MODES = ("ragged", "mask", "evict")
 PARITY_STEPS = tuple(f"engine_parity_{model}_{mode}" for model in MODELS for mode in MODES)
 BENCHES = {"engine_bench_8k": "engine-bench-8k.json", "engine_bench_32k": "engine-bench-32k.json"}
+# beside each, ``<file minus .json>.runs.jsonl`` (bench --save-runs): the settings, then each run as it finished
 ENGINE_STEPS = ("engine_install", "engine_dummy_bundle", *PARITY_STEPS, *BENCHES)
 SPEEDUP_TARGETS = ((0.7, 1.5), (0.4, 1.2))  # pruned fraction -> ragged / dense output tokens/s, 8k prompts
 TARGET_PROMPT_TOKENS, MEMORY_SLACK = 8192, 1.02
@@ -88,7 +90,9 @@ def parity_checks(out: Path, steps: dict) -> list[dict]:
 def _row(run: dict, data: dict, device: str) -> dict:
     figures, memory, settings = run["figures"], run.get("gpu_memory") or {}, data.get("settings", {})
     static = (memory.get("mem_fraction_static") or 0) * memory.get("total_bytes", 0)
-    return {"source": f"SGLang stream, Llama-3.1-8B shapes (dummy weights), {settings.get('prompt_tokens')} prompt tokens",
+    cut = " (partial: the benchmark was cut short)" if data.get("partial") else ""
+    return {"source": f"SGLang stream, Llama-3.1-8B shapes (dummy weights), {settings.get('prompt_tokens')} prompt tokens"
+                      f"{cut}",
             "device": device, "config": run["label"], "round": run["round"], "pruned_fraction": run.get("pruned_fraction"),
             "tokens_per_s": figures.get("tokens_per_s"), "max_running": figures.get("max_running"),
             "freed_at_peak": figures.get("freed_at_peak"), "kv_peak_entries": figures.get("kv_peak_entries"),
@@ -101,14 +105,29 @@ def _row(run: dict, data: dict, device: str) -> dict:
 
 
 def _median(data: dict, label: str, key: str):
-    entry = (data.get("summary") or {}).get(label) or {}
-    return (entry.get(key) or {}).get("median")
+    """The median over the rounds of one configuration's figure, from its runs (a partial report has no summary)."""
+    values = [r["figures"].get(key) for r in data.get("runs") or [] if r["label"] == label]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _saved_runs(path: Path) -> dict | None:
+    """A benchmark cut short: its ``--save-runs`` lines as a partial report (settings, the runs that finished, errors)."""
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    if not lines or "settings" not in lines[0]:
+        return None
+    return {"settings": lines[0]["settings"], "machine": lines[0].get("machine"), "partial": True,
+            "runs": [line for line in lines[1:] if "figures" in line],
+            "errors": [line for line in lines[1:] if "error" in line]}
 
 
 def bench_parts(out: Path, steps: dict, gpu: str) -> tuple[list[dict], list[dict], list[dict]]:
     figures, checks, targets = [], [], []
     for name, file in BENCHES.items():
-        data = _json(out / file)
+        data = _json(out / file) or _saved_runs(out / file.replace(".json", ".runs.jsonl"))
         label = f"SGLang stream benchmark ({file})"
         if data is None:
             checks += _absent(label, out / file, steps[name])
@@ -118,6 +137,9 @@ def bench_parts(out: Path, steps: dict, gpu: str) -> tuple[list[dict], list[dict
             continue
         device = data.get("machine") or gpu
         runs = data.get("runs") or []
+        if data.get("partial"):
+            checks.append(_check(f"{label}: the whole benchmark", "not run", f"cut short: {file} is absent; "
+                                 f"{len(runs)} run(s) saved as they finished are reported"))
         if data.get("errors"):
             checks.append(_check(f"{label}: runs that failed", "failed",
                                  [f"{e.get('label')}: {e.get('error')}" for e in data["errors"]]))
@@ -134,7 +156,6 @@ def bench_parts(out: Path, steps: dict, gpu: str) -> tuple[list[dict], list[dict
         rounds = settings.get("rounds")
         basis = f"{rounds} round{'s' * (rounds != 1)}" + (": one run per configuration, not a median" if rounds == 1 else
                                                          ", medians")
-        versus = data.get("vs_dense") or {}
         dense_gb = next((r["gpu_memory"]["used_bytes"] for r in runs if r["mode"] == "dense" and r.get("gpu_memory")), None)
         for run in (r for r in ragged if r.get("gpu_memory") and r["kvzap"] == "decoding"):
             used = run["gpu_memory"]["used_bytes"]
@@ -148,8 +169,9 @@ def bench_parts(out: Path, steps: dict, gpu: str) -> tuple[list[dict], list[dict
         off = "ragged, KVzap off"
         for fraction, limit in SPEEDUP_TARGETS:
             config = f"ragged, {fraction:.0%} pruned"
-            ratio = (versus.get(config) or {}).get("tokens_per_s_ratio")
             mine, theirs = _median(data, config, "tokens_per_s"), _median(data, off, "tokens_per_s")
+            dense = _median(data, "dense", "tokens_per_s")
+            ratio = mine / dense if mine and dense else None
             share = mine / theirs if mine and theirs else None
             running = {c: _median(data, c, "max_running") for c in ("dense", config, off)}
             note = (f"KVzap's own share (vs {off}) {share:.2f}x; " if share else f"KVzap's own share: no {off} run; ")

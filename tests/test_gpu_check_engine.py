@@ -169,7 +169,8 @@ def test_the_engine_steps_pass_the_right_commands_and_environment(tmp_path):
     eight = benches[0]
     for flag, value in (("--device", "cuda"), ("--load-format", "dummy"), ("--dense-backend", "triton"),
                         ("--pruned-fraction", "0.7,0.4"), ("--configs", "dense,ragged,ragged-off"), ("--rounds", "1"),
-                        ("--bundle", f"{tmp_path / 'work'}/llama-3.1-8b-bundle"), ("--model", f"{check}/llama-3.1-8b")):
+                        ("--bundle", f"{tmp_path / 'work'}/llama-3.1-8b-bundle"), ("--model", f"{check}/llama-3.1-8b"),
+                        ("--save-runs", f"{out.resolve()}/engine-bench-8k.runs.jsonl")):
         assert eight[eight.index(flag) + 1] == value, flag
     dummy = next(shlex.split(c[2]) for c in calls if "--dummy-bundle" in c[2])
     assert dummy[dummy.index("--config") + 1] == f"{check}/llama-3.1-8b"
@@ -199,3 +200,21 @@ def test_a_throughput_run_that_failed_fails_the_check_and_keeps_the_others_rows(
     failed = next(c for c in summary["checks"] if c["check"].endswith("(engine-bench-32k.json): runs that failed"))
     assert code == 1 and failed["status"] == "failed" and "dense: NotImplementedError" in failed["detail"][0]
     assert [r["config"] for r in summary["figures"] if "32768 prompt tokens" in r["source"]] == ["ragged, 70% pruned"]
+
+
+def test_a_benchmark_cut_short_reports_the_runs_it_saved_and_is_not_a_pass(tmp_path):
+    """engine_bench_8k stopped by its limit before writing its report: the runs --save-runs kept are rows, the target
+    is computed from the ones that ran (dense and ragged at 70%), the one whose run is missing is not measured."""
+    _write_run(tmp_path / "out", engine={"absent": ("engine-bench-8k.json",)}, steps={"engine_bench_8k": "124\t300\t0"})
+    report = bench(8192)
+    lines = [{"settings": report["settings"], "machine": GPU}, *report["runs"][:2]]
+    (tmp_path / "out" / "engine-bench-8k.runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, summary, md = _summary(tmp_path / "out")
+    assert code == 1 and "step:engine_bench_8k" in summary["failed"]  # past its own limit
+    assert "SGLang stream benchmark (engine-bench-8k.json): the whole benchmark" in summary["not_run"]
+    rows = [f for f in summary["figures"] if "8192 prompt tokens (partial" in f["source"]]
+    assert [r["config"] for r in rows] == ["dense", "ragged, 70% pruned"]
+    targets = {t["target"].split(" vs")[0]: t for t in summary["targets"] if "8k prompts" in t["target"]}
+    assert targets["ragged at 70% pruned"]["value"] == pytest.approx(1.8)
+    assert targets["ragged at 40% pruned"]["met"] is None and "KVzap's own share: no ragged, KVzap off run" in \
+        targets["ragged at 70% pruned"]["note"]

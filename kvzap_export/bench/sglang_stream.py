@@ -265,11 +265,12 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                  dense_backends: tuple[str, ...] = CPU_DENSE_BACKENDS, engine: dict | None = None,
                  on_event=None, configs: tuple[str, ...] = DEFAULT_CONFIGS, shared: int = 0,
                  kvzap_overlap: bool = True, pruned_fractions: tuple[float, ...] = (), load_format: str = "auto",
-                 device: str = "cpu", dense_overlap: bool | None = None) -> dict:
+                 device: str = "cpu", dense_overlap: bool | None = None, on_run=None) -> dict:
     """Interleaved rounds of every configuration; returns the settings, each run's figures, the medians with
     spread per configuration and the comparisons with the baseline (``stream_figures.summarize`` / ``compare``), and
     ``errors``: the runs whose launch failed (the others ran; no comparison without the baseline).
-    ``dense_overlap``: the dense runs' overlap scheduler, fixed (None: the probe's choice)."""
+    ``dense_overlap``: the dense runs' overlap scheduler, fixed (None: the probe's choice). ``on_run(record)``: each run's
+    record (or error) as soon as it is done (a benchmark cut short keeps what ran)."""
     if threshold is not None and pruned_fractions:
         raise ConfigError("--threshold and --pruned-fraction both set τ of a second ragged run; give one of them")
     bench = StreamBench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, engine, shared,
@@ -320,6 +321,8 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                 errors.append({"round": number, "label": label, "error": (lines or ["no message"])[-1][:500],
                                "log_tail": str(exc)[-3000:]})
                 base_failed = base_failed or label == baseline
+                if on_run:
+                    on_run(errors[-1])
                 if on_event:
                     on_event(f"round {number}, {label}: FAILED: {errors[-1]['error']}")
                 continue
@@ -333,6 +336,8 @@ def bench_sglang(bundle: str, model: str, python: str, requests: int = 32, promp
                          "max_running_requests": args.get("max_running_requests"),
                          "attention_backend": args.get("attention_backend"), "gpu_memory": result.get("gpu_memory"),
                          "figures": figures})
+            if on_run:
+                on_run(runs[-1])
             if on_event:
                 elapsed = time.perf_counter() - started
                 eta = elapsed / len(runs) * (total - len(runs))

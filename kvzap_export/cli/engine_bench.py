@@ -95,7 +95,8 @@ def check_fractions(fractions: tuple, threshold, chosen: tuple[str, ...]) -> Non
 def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
                      dense_backend, as_json, configs: str | None = None, shared: int = 0,
                      kvzap_overlap: bool = True, device: str = "cpu", load_format: str = "auto",
-                     pruned_fraction: str | None = None, dense_overlap: bool | None = None, engine_arg=()) -> None:
+                     pruned_fraction: str | None = None, dense_overlap: bool | None = None, engine_arg=(),
+                     save_runs: str | None = None) -> None:
     from kvzap_export.bench.run import SCHEMA
     from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, GPU_DENSE_BACKENDS, baseline_of,
                                                   bench_sglang, check_shared_prefix, parse_configs, parse_fractions)
@@ -141,10 +142,20 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
             + (": random weights give meaningless scores" if load_format == "dummy" else ""))
     if rounds == 1:
         say("one round: each figure is one run, not a median")
+    name = engine_gpu_name(interpreter) if device == "cuda" else machine("cpu")
+    on_run = None
+    if save_runs:  # one JSON line per finished run, the settings first (a run cut short keeps what ran)
+        def on_run(record: dict, path=save_runs) -> None:
+            with open(path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+        on_run({"settings": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                             "pool_tokens": pool_tokens, "rounds": rounds, "pruned_fractions": list(fractions),
+                             "configs": list(chosen), "load_format": load_format, "device": device}, "machine": name})
     result = bench_sglang(bundle, model, interpreter, requests, prompt_tokens, new_tokens, pool_tokens, rounds, threshold,
                           backends, engine=extra, on_event=say, configs=chosen, shared=shared, kvzap_overlap=kvzap_overlap,
-                          pruned_fractions=fractions, load_format=load_format, device=device, dense_overlap=dense_overlap)
-    name = engine_gpu_name(interpreter) if device == "cuda" else machine("cpu")
+                          pruned_fractions=fractions, load_format=load_format, device=device, dense_overlap=dense_overlap,
+                          on_run=on_run)
     report = {"schema": SCHEMA, "machine": name, "device": device, "date": datetime.date.today().isoformat(),
               "command": "kvzap-export bench --engine sglang", **result}
     if as_json:

@@ -149,3 +149,26 @@ def test_failed_runs_print_the_report_and_exit_1_in_one_line(tmp_path, capsys, m
     assert json.loads(captured.out)["errors"][0]["label"] == "dense"
     last = captured.err.strip().splitlines()[-1]
     assert "1 run(s) failed" in last and "round 1 dense: NotImplementedError: fa3" in last
+
+
+def test_save_runs_appends_the_settings_then_each_run_as_it_finishes(tmp_path, capsys, monkeypatch):
+    from kvzap_export.bench import sglang_stream
+
+    saved = tmp_path / "runs.jsonl"
+
+    def fake_bench(*args, on_run, **kwargs):
+        assert json.loads(saved.read_text())["settings"]["prompt_tokens"] == 64  # the settings come first
+        on_run({"label": "dense", "figures": {"tokens_per_s": 3.0}})
+        on_run({"round": 1, "label": "ragged", "error": "boom"})
+        return {"settings": {}, "dense_backend": {}, "runs": [], "summary": {}, "vs_dense": {}}
+
+    monkeypatch.setattr(sglang_stream, "bench_sglang", fake_bench)
+    python = tmp_path / "python"
+    python.write_text("")
+    assert main(["bench", "--engine", "sglang", "--bundle", str(tmp_path), "--model", str(tmp_path), "--engine-python",
+                 str(python), "--prompt-tokens", "64", "--save-runs", str(saved), "--json"]) == 0
+    lines = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [line.get("label") for line in lines] == [None, "dense", "ragged"] and lines[0]["machine"]
+    capsys.readouterr()
+    assert main(["bench", "--save-runs", str(saved)]) == 2
+    assert "--save-runs" in capsys.readouterr().err
