@@ -59,7 +59,7 @@ def parity_checks(out: Path, steps: dict) -> list[dict]:
     checks = []
     for name in PARITY_STEPS:
         model, mode = name.split("_")[2:]
-        label = f"SGLang engine parity, {MODELS[model]}, {mode} mode: SGLang's tokens on the GPU vs kvpress's (CPU)"
+        label = f"SGLang engine parity, {MODELS[model]}, {mode} mode: SGLang's greedy tokens vs kvpress's (computed on a CPU)"
         data = _json(out / f"{name}.json")
         if data is None:
             checks += _absent(label, out / f"{name}.json", steps[name])
@@ -73,10 +73,12 @@ def parity_checks(out: Path, steps: dict) -> list[dict]:
             detail += f"; problems: {data['problems'][:3]}"
         if data.get("reason"):
             detail += f"; {data['reason']}"
+        args = (data.get("engine_info") or {}).get("args") or {}
         checks.append({**_check(label, status, detail), "mode": mode, "model": model,
+                       "engine_device": args.get("device") or ("cuda" if args else None),
                        "matching": data.get("matching"), "referenced": data.get("referenced"),
                        "freed_fraction": data.get("freed_fraction"),
-                       "attention_backend": ((data.get("engine_info") or {}).get("args") or {}).get("attention_backend")})
+                       "attention_backend": args.get("attention_backend")})
         if mode == "ragged":
             replays = data.get("decode_graph_replays")
             why = ("the engine did not run to the end" if data.get("error") else "its readings carry no replay count")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check_engine  # noqa: E402
 
 RAGGED_REPLAYS = "SGLang ragged mode, tiny Llama: decode steps replayed a CUDA graph"
-LLAMA_MASK = "SGLang engine parity, tiny Llama, mask mode: SGLang's tokens on the GPU vs kvpress's (CPU)"
+LLAMA_MASK = "SGLang engine parity, tiny Llama, mask mode: SGLang's greedy tokens vs kvpress's (computed on a CPU)"
 
 
 def test_every_engine_check_passes_and_the_targets_say_share_running_and_rounds(tmp_path):
@@ -65,7 +65,7 @@ def test_a_failed_engine_check_fails_the_run(tmp_path, engine, item):
 
 @pytest.mark.parametrize("engine, steps, item, why", [
     ({"absent": ("engine_parity_qwen3_evict.json",)}, {},
-     "SGLang engine parity, tiny Qwen3, evict mode: SGLang's tokens on the GPU vs kvpress's (CPU)", "is absent"),
+     "SGLang engine parity, tiny Qwen3, evict mode: SGLang's greedy tokens vs kvpress's (computed on a CPU)", "is absent"),
     ({"replays": None}, {}, RAGGED_REPLAYS, "no replay count"),
     ({"parity_status": {("qwen3", "ragged"): "skipped"}}, {}, "step:engine_parity_qwen3_ragged", "incomplete"),
     ({}, {"engine_bench_32k": "missing\t0\t0"}, "step:engine_bench_32k", "not on this machine"),
