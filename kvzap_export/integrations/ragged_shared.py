@@ -274,7 +274,7 @@ class SharedRaggedStore(RaggedStore):
             raise RuntimeError(f"ragged KV store: row {row} adopts {p} slots and some hold no record (the prefix "
                                "cache matched a prefix that was not recorded)")
         ids = self.slot_entries[slots].permute(1, 2, 0).to(torch.int64)  # [L, H, p]
-        self._ensure_slots(len(self.slot_of) + 1)
+        self._ensure_rows(len(self.slot_of) + 1)
         slot = self.slot_of[row] = self._free_slots.pop()
         self.mirror.took_slot(row)
         self._columns(torch.tensor([slot]), torch.full((1, self.num_layers, self.num_kv_heads), p))

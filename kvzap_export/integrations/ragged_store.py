@@ -162,7 +162,7 @@ class RaggedStore:
             raise RuntimeError("ragged KV store: the row tables are reserved before any row is held")
         L, H = self.num_layers, self.num_kv_heads
         slots = max(slots or 0, self.lengths.shape[0])
-        self._ensure_slots(slots)
+        self._ensure_rows(slots)
         columns = max(columns - -(-slots * L * H * 12 // 4), L * H * MIN_COLUMNS)
         self.table = RowTable(slots, L, H, columns, self.device, reserved=True)
         self.table_columns = columns
@@ -196,7 +196,7 @@ class RaggedStore:
         if count is not None:
             self.mirror.pushed(count)
 
-    def _ensure_slots(self, slots: int) -> None:
+    def _ensure_rows(self, slots: int) -> None:
         """Room for at least ``slots`` request slots (by a quarter at a time; the rows' columns are the table's)."""
         have = self.lengths.shape[0]
         if slots <= have:
@@ -237,7 +237,7 @@ class RaggedStore:
             return torch.zeros(L, H, 0, dtype=torch.int64, device=self.device)
         self._room(L * H * total)
         fresh = [r for r in rows if r not in self.slot_of]
-        self._ensure_slots(len(self.slot_of) + len(fresh))
+        self._ensure_rows(len(self.slot_of) + len(fresh))
         for r in fresh:
             self.slot_of[r] = self._free_slots.pop()
             self.mirror.took_slot(r)

@@ -69,6 +69,27 @@ if triton is not None:
             tl.store(out_ptr + dst, ids.to(tl.int64), mask=held)
 
 
+def split_rows(max_batch: int, kv_heads: int, logits_batch: int, max_kv_splits: int, small_batch_splits: int) -> int:
+    """(row, split) slots of the partial results (module docstring)."""
+    rows = logits_batch * kv_heads * max_kv_splits
+    if small_batch_splits > max_kv_splits:
+        rows = max(rows, min(max_batch, SMALL_BATCH) * kv_heads * small_batch_splits)
+    return rows
+
+
+def step_bytes(layers: int, max_batch: int, kv_heads: int, group: int, head_dim: int, v_head_dim: int,
+               dtype: torch.dtype, logits_batch: int, max_kv_splits: int, small_batch_splits: int) -> int:
+    """Bytes a ``FlattenedStep`` of these sizes allocates besides ``kv_indices`` (one int64 per entry, which a KV
+    budget counts per entry): what an engine sets aside for it before sizing its pool."""
+    logits_batch = min(logits_batch, max_batch)
+    splits = split_rows(max_batch, kv_heads, logits_batch, max_kv_splits, max(max_kv_splits, small_batch_splits))
+    all_rows = layers * max_batch * kv_heads
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (4 * (all_rows + 1) + 4 * all_rows + all_rows + 4 * splits * group * (v_head_dim + 1)
+            + size * max_batch * kv_heads * group * head_dim + 4 * all_rows + 4 * max_batch * layers * kv_heads
+            + 4 * max_batch + 8 * max_batch + 4 * layers)
+
+
 def row_buffers(table) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, base) of row tables: a ``RowTable``'s own, or a dense [S, L, H, W] tensor's (its flat view, rows every
     ``W`` columns)."""
@@ -113,14 +134,12 @@ class FlattenedStep:
         if self.use_triton and triton is None:
             raise InputError("FlattenedStep: the id copy's Triton kernel needs triton (pip install triton)")
         logits_batch = max_batch if logits_batch is None else min(logits_batch, max_batch)
-        rows, all_rows, dev = logits_batch * kv_heads, layers * max_batch * kv_heads, self.device
+        all_rows, dev = layers * max_batch * kv_heads, self.device
         self.kv_indptr = torch.zeros(all_rows + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(entries + 1, dtype=torch.int64, device=dev)
         self.num_kv_splits = torch.ones(all_rows, dtype=torch.int32, device=dev)
         self.empty = torch.ones(all_rows, dtype=torch.bool, device=dev)
-        self.split_rows = rows * max_kv_splits  # (row, split) slots of the partial results
-        if self.small_batch_splits > max_kv_splits:
-            self.split_rows = max(self.split_rows, min(max_batch, SMALL_BATCH) * kv_heads * self.small_batch_splits)
+        self.split_rows = split_rows(max_batch, kv_heads, logits_batch, max_kv_splits, self.small_batch_splits)
         self.attn_logits = torch.zeros(self.split_rows * group * self.v_head_dim, dtype=torch.float32, device=dev)
         self.attn_lse = torch.zeros(self.split_rows * group, dtype=torch.float32, device=dev)
         self._q = torch.zeros(max_batch * kv_heads, group, head_dim, dtype=dtype, device=dev)  # queries not viewable

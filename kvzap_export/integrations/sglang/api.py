@@ -81,6 +81,13 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SB, "ScheduleBatch.batch_is_full", "field"),
     ApiName(_SCHED, "Scheduler.on_idle", "method", ("self",)),
     ApiName(_SCHED, "Scheduler.is_fully_idle", "method", ("self",)),
+    # ragged mode sets the flattened decode path's step buffers aside before sizing the pool (ragged_budget.budget_hook)
+    ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.resolve_max_num_reqs", "method",
+            ("self", "token_capacity")),
+    ApiName("sglang.srt.model_executor.pool_configurator", "MemoryPoolConfig.max_total_num_tokens", "field"),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.get_num_kv_heads", "method", ("self", "tensor_parallel_size")),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.num_hidden_layers", "field"),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecGraph.cuda_graph_config", "field"),
     # ragged mode learns its exact free count where SGLang acts on a short one (ragged_pool.allocator_class)
     ApiName("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator.evict_to_free_tokens", "method",
             ("self", "tree_cache", "num_tokens")),

@@ -140,7 +140,8 @@ class RaggedKVzapSGLang(KVzapSGLang):
             cached = store.soft if shared else 0
             out = {"head_slots_held": store.held - cached, "head_slots_free": store.available,
                    "head_slots_pool": store.capacity, "rows": len(store.logical), "threshold": self.policy.threshold,
-                   "decode_graph_replays": store.graph_replays}
+                   "decode_graph_replays": store.graph_replays,
+                   "table_rows_moved": store.table.relocated + store.table.packs}  # rows that outgrew their room
             if shared:
                 out.update(head_slots_cached=cached, cache_reclaims=store.reclaims, cache_nodes_reclaimed=store.reclaimed_nodes,
                            cache_prompts_dropped=store.dropped_prompts, cache_holds=store.held_requests)
@@ -207,6 +208,13 @@ def backend_class():
                                                     small_batch_splits=GPU_SMALL_BATCH_SPLITS if cuda else 2)
                 log.info("KVzap ragged mode: decode through SGLang's decode kernel, %.1f MB of step buffers for %d "
                          "requests", self.decode_buffers.nbytes() / 2**20, self.decode_buffers.max_batch)
+                indices = self.decode_buffers.flat.kv_indices
+                built = self.decode_buffers.nbytes() - indices.numel() * indices.element_size()
+                budget = current_plan()
+                planned = budget.fixed.get("decode_buffers", 0) if budget is not None else built
+                if built > planned:
+                    log.warning("KVzap ragged mode: the decode step buffers take %.1f MB, %.1f MB more than SGLang's KV "
+                                "budget set aside for them", built / 2**20, (built - planned) / 2**20)
             return self.decode_buffers
 
         # ---- CUDA graphs (decode): SGLang's DecodeCudaGraphRunner calls these ----

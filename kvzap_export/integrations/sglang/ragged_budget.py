@@ -21,17 +21,24 @@ The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the 
 ``budget · kv / (kv + extras)`` per entry (one entry kept back for the store's scratch row), so the pool SGLang
 derives plus the bookkeeping fits what ``--mem-fraction-static`` gives. A ``--max-total-tokens`` cap still applies after (a smaller pool, the
 same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. Packing the row
-tables' rows holds the old and the new buffer for the copy (a table-sized transient). The per-request decode buffers of the CUDA path (a few MB, sized for SGLang's request rows once they exist)
-are not in the budget: the backend's launch log states their size.
+tables' rows holds the old and the new buffer for the copy (a table-sized transient).
+
+On the flattened decode path (CUDA) the step buffers (``ragged_decode.DecodeBuffers``: each layer's rows, the kernel's
+partial results for the largest decode graph batch; ≈ 134 MB at batch 256 for Llama-3.1-8B) do not scale with the
+entries: the hook sizes the pool once, asks SGLang how many request rows that pool gets (``resolve_max_num_reqs``),
+sets the buffers for those rows and its decode graphs aside (``BudgetPlan.fixed``) and sizes the pool again; the
+backend logs a warning if what it builds exceeds that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from kvzap_export.errors import ConfigError
+from kvzap_export.integrations.sglang.api import sglang_module
 
 _PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
 TABLE_COLUMNS = 2  # row-table columns reserved per entry (module docstring)
@@ -46,6 +53,7 @@ class BudgetPlan:
     budget: int
     kv_bytes: int  # K + V of one entry
     extras: dict[str, int] = field(default_factory=dict)  # per entry, by part
+    fixed: dict[str, int] = field(default_factory=dict)  # bytes that do not scale with the entries (decode buffers)
 
     @property
     def entry_bytes(self) -> int:
@@ -54,7 +62,7 @@ class BudgetPlan:
     def dense_budget(self) -> int:
         """The bytes SGLang's sizing is given: what dense K/V of the same entry count would take (one entry's bytes
         kept back for the store's scratch row and spare free-list slot)."""
-        return max(self.budget - self.entry_bytes, 0) * self.kv_bytes // self.entry_bytes
+        return max(self.budget - sum(self.fixed.values()) - self.entry_bytes, 0) * self.kv_bytes // self.entry_bytes
 
     def split(self, entries: int) -> dict[str, int]:
         """Bytes of each part for a pool of ``entries`` entries (the tables at their reservation)."""
@@ -69,10 +77,11 @@ class BudgetPlan:
                 "free_list": allocated["free_list"],
                 **({"sharing": allocated["sharing"]} if "sharing" in allocated else {}),
                 **{f"{name}_reserved": size for name, size in reserved.items()
-                   if name in ("row_tables", "decode_indices", "slot_records")}}
+                   if name in ("row_tables", "decode_indices", "slot_records")},
+                **{f"{name}_reserved": size for name, size in self.fixed.items()}}
 
     def describe(self, entries: int) -> str:
-        parts = self.split(entries)
+        parts = {**self.split(entries), **self.fixed}
         gb = lambda n: f"{n / 2**30:.3f}"  # noqa: E731
         rest = ", ".join(f"{name.replace('_', ' ')} {gb(size)}" for name, size in parts.items() if name != "kv")
         return (f"{gb(sum(parts.values()))} of SGLang's {gb(self.budget)} GB KV budget: K/V {gb(parts['kv'])}, {rest} "
@@ -106,6 +115,45 @@ def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
                           "ragged store replaces); unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
     model = configurator.model_config
     device = torch.device(configurator.device)
-    _PLAN = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
-                 decode_path(device) == "flattened", shares_prefixes())
-    return original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
+    flattened = decode_path(device) == "flattened"
+    _PLAN = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype, flattened,
+                 shares_prefixes())
+    config = original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
+    if not flattened:
+        return config
+    # The flattened decode path's step buffers, sized by the request rows and the largest decode graph (the backend's
+    # ``_buffers``): set aside, then the pool sized again (SGLang derives its request rows from the pool's tokens, so
+    # the smaller pool can only have as many).
+    requests = int(configurator.resolve_max_num_reqs(int(config.max_total_num_tokens)))  # at most this many after
+    fixed = decode_buffer_bytes(model, configurator.kv_cache_dtype, requests, graph_batch(requests))
+    if fixed:
+        _PLAN = dataclasses.replace(_PLAN, fixed={"decode_buffers": fixed})
+        config = original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
+    return config
+
+
+def graph_batch(requests: int) -> int:
+    """The largest decode batch SGLang captures a graph for (its resolved setting; the request rows if unset), 0
+    without decode graphs."""
+    context = sglang_module("sglang.srt.runtime_context")
+    try:
+        decode = context.get_exec().graph.cuda_graph_config.decode
+    except (AttributeError, ValueError):
+        return requests
+    if decode.backend == "disabled":
+        return 0
+    return int(decode.max_bs or requests)
+
+
+def decode_buffer_bytes(model, dtype: torch.dtype, requests: int, graph: int) -> int:
+    """``DecodeBuffers``' bytes besides its per-entry indices for ``requests`` request rows and decode graphs up to
+    ``graph`` requests, as the backend builds them (``ragged.py``'s ``_buffers``: GPU splits)."""
+    from kvzap_export.integrations.sglang.ragged_decode import buffer_bytes
+    from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS
+
+    if requests <= 0:
+        return 0
+    heads = int(model.get_num_kv_heads(1))
+    return buffer_bytes(int(model.num_hidden_layers), heads, int(model.num_attention_heads) // heads,
+                        int(model.head_dim), int(model.v_head_dim), dtype, max(graph, requests), max(graph, 1),
+                        GPU_SPLITS, GPU_SMALL_BATCH_SPLITS)

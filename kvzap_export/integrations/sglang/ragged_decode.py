@@ -67,6 +67,17 @@ def write_entries(store: RaggedStore, ids: torch.Tensor, k: torch.Tensor, v: tor
     store.v.index_copy_(0, flat, v.reshape(flat.shape[0], -1).to(store.v.dtype))
 
 
+def buffer_bytes(layers: int, kv_heads: int, group: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                 max_batch: int, logits_batch: int, max_kv_splits: int, small_batch_splits: int) -> int:
+    """Bytes ``DecodeBuffers`` of these sizes allocate besides the step's ``kv_indices`` (one int64 per pool entry,
+    which the KV budget counts per entry): ``ragged_budget`` sets them aside before SGLang sizes the pool."""
+    from kvzap_export.kernels.flattened_step import step_bytes
+
+    return (8 * layers * kv_heads * max_batch + 8 * max_batch
+            + step_bytes(layers, max_batch, kv_heads, group, head_dim, v_head_dim, dtype, logits_batch, max_kv_splits,
+                         small_batch_splits))
+
+
 class DecodeBuffers:
     """A decode step's device state for at most ``max_batch`` requests (module docstring). ``group``: query heads per
     KV head; ``dtype``: the queries'. ``kernels`` / ``use_triton`` / ``max_kv_splits`` / ``logits_batch`` /

@@ -64,30 +64,56 @@ def test_the_plans_per_entry_bytes_are_what_the_store_and_the_decode_buffers_all
     assert store.nbytes()["row_tables"] > want["row_tables"] - 4 - 4 * LAYERS * HEADS
 
 
+def _configurator(requests: int = 6):
+    model = SimpleNamespace(head_dim=DIM, v_head_dim=DIM, num_hidden_layers=LAYERS, num_attention_heads=2 * HEADS,
+                            get_num_kv_heads=lambda tp: HEADS)
+    return SimpleNamespace(model_config=model, device="cpu", kv_cache_dtype=torch.float32,
+                           resolve_max_num_reqs=lambda tokens: min(requests, tokens // 2))
+
+
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     monkeypatch.delenv("KVZAP_RAGGED_DECODE", raising=False)
     monkeypatch.setattr(ragged_budget, "_PLAN", None)  # this process's plan: set by the hook, restored after
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: False)  # SGLang's radix cache off
-    configurator = SimpleNamespace(model_config=SimpleNamespace(head_dim=DIM, v_head_dim=DIM), device="cpu",
-                                   kv_cache_dtype=torch.float32)
+    monkeypatch.setattr(ragged_budget, "graph_batch", lambda requests: 4)  # SGLang's decode graphs up to batch 4
+    configurator = _configurator()
     seen = []
 
     def original(conf, budget_bytes, *, cap_tokens=None):
         seen.append((conf, budget_bytes, cap_tokens))
-        return "config"
+        return SimpleNamespace(max_total_num_tokens=budget_bytes // (LAYERS * HEADS * 2 * DIM * 4))
 
-    assert budget_hook(original, configurator, 1_000_000) == "config"
-    p = ragged_budget.current_plan()
-    assert p.budget == 1_000_000 and "decode_indices" not in p.extras  # the CPU's torch decode path
-    assert seen == [(configurator, p.dense_budget(), None)] and p.dense_budget() < 1_000_000
-    monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")  # the flattened path's kv_indices, 8 bytes per entry
     budget_hook(original, configurator, 1_000_000)
-    assert ragged_budget.current_plan().extras["decode_indices"] == 8 and seen[-1][1] < p.dense_budget()
+    p = ragged_budget.current_plan()
+    assert p.budget == 1_000_000 and "decode_indices" not in p.extras and not p.fixed  # the CPU's torch decode path
+    assert seen == [(configurator, p.dense_budget(), None)] and p.dense_budget() < 1_000_000
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")  # the flattened path: kv_indices and the step buffers
+    budget_hook(original, configurator, 1_000_000)
+    flat = ragged_budget.current_plan()
+    assert flat.extras["decode_indices"] == 8 and flat.fixed["decode_buffers"] > 0
+    assert seen[-1][1] == flat.dense_budget() < seen[-2][1] < p.dense_budget()  # sized again, the buffers set aside
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: True)  # radix on: reference counts and slot records
     budget_hook(original, configurator, 1_000_000)
     shared = ragged_budget.current_plan()
     assert shared.extras["sharing"] == 5 and shared.extras["slot_records"] == ragged_budget.SLOT_RECORD_BYTES
-    assert seen[-1][1] < seen[-2][1]
+    assert seen[-1][1] < seen[-3][1]
+
+
+@pytest.mark.parametrize("requests, graph", [(6, 4), (3, 8), (40, 0)])
+def test_the_decode_buffers_set_aside_are_what_the_backend_allocates(requests, graph):
+    """The bytes the plan sets aside for the flattened decode path's step buffers equal what ``DecodeBuffers`` built
+    as the backend builds them (``ragged._buffers``: request rows, the largest graph batch, the GPU's splits)
+    allocates, less the per-entry ``kv_indices`` the plan counts per entry."""
+    from kvzap_export.integrations.sglang.ragged_decode import DecodeBuffers
+    from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS
+
+    model = _configurator().model_config
+    set_aside = ragged_budget.decode_buffer_bytes(model, torch.bfloat16, requests, graph)
+    store = RaggedStore(500, LAYERS, HEADS, DIM, rows=1, width=1, dtype=torch.bfloat16)
+    built = DecodeBuffers(store, max(graph, requests), 2, torch.bfloat16, kernels=object(), use_triton=False,
+                          max_kv_splits=GPU_SPLITS, logits_batch=max(graph, 1), small_batch_splits=GPU_SMALL_BATCH_SPLITS)
+    indices = built.flat.kv_indices
+    assert set_aside == built.nbytes() - indices.numel() * indices.element_size()
 
 
 @pytest.mark.parametrize("pruned", [0.4, 0.7])
