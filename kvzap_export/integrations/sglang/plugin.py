@@ -312,28 +312,28 @@ def check_sglang_version() -> None:
                           f"{found}; install sglang=={SGLANG_VERSION} (or a kvzap-export release for {found})")
 
 
-def _threshold_from_env() -> dict:
-    raw = os.environ.get("KVZAP_THRESHOLD")
+def _number_from_env(name: str, key: str, valid, hint: str) -> dict:
+    """``{key: float($name)}`` when the variable is set, ``{}`` when not; a value that is no number or fails ``valid``
+    is a one-line error saying what to use (``hint``)."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return {}
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"KVZAP_THRESHOLD={raw!r}: use a number such as -4 (a log-score threshold)") from None
-    return {"threshold": value}
+        value = None
+    if value is None or not valid(value):
+        raise ConfigError(f"{name}={raw!r}: use {hint}")
+    return {key: value}
+
+
+def _threshold_from_env() -> dict:
+    return _number_from_env("KVZAP_THRESHOLD", "threshold", lambda v: True, "a number such as -4 (a log-score threshold)")
 
 
 def _pruned_fraction_from_env() -> dict:
-    raw = os.environ.get("KVZAP_PRUNED_FRACTION")
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value < 1.0:
-        raise ConfigError(f"KVZAP_PRUNED_FRACTION={raw!r}: use a fraction such as 0.7 (strictly between 0 and 1)")
-    return {"pruned_fraction": value}
+    return _number_from_env("KVZAP_PRUNED_FRACTION", "pruned_fraction", lambda v: 0.0 < v < 1.0,
+                            "a fraction such as 0.7 (strictly between 0 and 1)")
 
 
 def load_plugin() -> None:
