@@ -104,25 +104,23 @@ def tiny_qwen3(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
     """(model, tokenizer): the seeded random Qwen3 described in the module docstring."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
-
-    tokenizer = _tokenizer(byte_vocab)
-    config = Qwen3Config(**_special_ids(tokenizer, byte_vocab), **TINY_QWEN3)
-    torch.manual_seed(seed)
-    model = _scaled_up(Qwen3ForCausalLM(config))
-    return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, TINY_QWEN3, seed, dtype, byte_vocab)
 
 
 def tiny_llama(seed: int = 0, dtype: str = "float32", byte_vocab: bool = False):
     """(model, tokenizer): the seeded random Llama described in the module docstring."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    return _tiny(LlamaConfig, LlamaForCausalLM, TINY_LLAMA, seed, dtype, byte_vocab)
+
+
+def _tiny(config_class, model_class, sizes: dict, seed: int, dtype: str, byte_vocab: bool):
     from kvzap_export.export.dtypes import TORCH_DTYPES, canonical_dtype
 
     tokenizer = _tokenizer(byte_vocab)
-    config = LlamaConfig(**_special_ids(tokenizer, byte_vocab), **TINY_LLAMA)
+    config = config_class(**_special_ids(tokenizer, byte_vocab), **sizes)
     torch.manual_seed(seed)
-    model = _scaled_up(LlamaForCausalLM(config))
+    model = _scaled_up(model_class(config))
     return model.to(TORCH_DTYPES[canonical_dtype(dtype)]).eval(), tokenizer
 
 
