@@ -19,9 +19,8 @@ The pool, ``capacity`` entries (one entry = one token of one KV head of one laye
 The rows: a table per request that holds entries (SGLang's ``req_pool_idx`` maps to a table slot, taken at its
 first entry and given back at its release, so the tables follow the requests held, not the engine's row count):
 
-- ``ids`` int32 [slots, L, H, width]: each (request, layer, head)'s entry ids in ascending logical positions
-  (columns past the row's length are 0, a valid id, so gathers of padding read something harmless); slots and
-  width grow on demand, by a quarter at a time (width up to the longest row held so far; they never shrink);
+- ``table`` (``row_table.RowTable``): each (request, layer, head)'s entry ids in ascending logical positions, every
+  row with its own capacity in one flat buffer (an engine reserves it with the pool: ``reserve_table``);
 - ``lengths`` int32 [slots, L, H] on the pool's device, mirrored on the host (``lengths_host``: an upper bound, exact
   once the decisions' snapshots are applied), so that a step's widths are known before its forward without reading
   the device;
@@ -104,7 +103,7 @@ class RaggedStore:
         self.mirror = HostMirror(self, capacity)
         # the rows' entry ids, each row with its own capacity (row_table.py); ``width`` columns a row to start with
         self.table = RowTable(rows, num_layers, num_kv_heads, rows * num_layers * num_kv_heads * width, self.device)
-        self.table_columns = self.table.size  # what the budget reserved for it (``reserve_table``)
+        self.table_columns = self._default_columns = self.table.size  # what a budget reserved (``reserve_table``)
         self.lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
         self.host_lengths = torch.zeros(rows, num_layers, num_kv_heads, dtype=torch.int64)  # see lengths_host
         self.slot_of: dict[int, int] = {}  # request row -> its table slot
@@ -166,12 +165,6 @@ class RaggedStore:
         columns = max(columns - -(-slots * L * H * 12 // 4), L * H * MIN_COLUMNS)
         self.table = RowTable(slots, L, H, columns, self.device, reserved=True)
         self.table_columns = columns
-
-    def _repaid(self) -> None:
-        """No row is held: a table that grew past its reservation goes back to it."""
-        if self.table.grown:
-            self.table = RowTable(self.table.cap.shape[0], self.num_layers, self.num_kv_heads, self.table_columns,
-                                  self.device, reserved=self.table.reserved or self.table.grown > 0)
 
     def _room(self, n: int) -> None:
         """Raises ``StoreFull`` unless ``n`` entries are free (waits for pending snapshots when the lower bound is short)."""
@@ -373,8 +366,9 @@ class RaggedStore:
         self.host_lengths[slot] = 0
         self.table.clear(slot)
         self._free_slots.append(slot)
-        if not self.slot_of:
-            self._repaid()
+        if not self.slot_of and self.table.grown:  # no row held: a table that grew past its reservation goes back
+            self.table = RowTable(self.table.cap.shape[0], self.num_layers, self.num_kv_heads, self.table_columns,
+                                  self.device, reserved=self.table_columns != self._default_columns)
         return count
 
     def clear(self) -> None:
