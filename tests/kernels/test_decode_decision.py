@@ -119,7 +119,9 @@ def test_decide_table_kernel_and_formula_equal_the_formula_row_by_row(seed):
     """The engine's call on chosen slots of a ``RowTable`` (rows of their own capacities in one buffer, laid out in a
     shuffled order, some just as wide as they are long): the Triton kernel in place (compiled on a GPU, interpreted
     here) and the torch formula on the rows' tails both give what ``decide_leaving`` gives on every row alone; every
-    other cell of the buffer is untouched."""
+    other cell of the buffer is untouched. The torch path calls ``decide_leaving`` itself, so for it this checks the
+    gather and write-back of the rows' tails (plumbing); the kernel is the independent computation here, and the
+    store's decisions are compared with ``RequestState`` in test_ragged_store.py."""
     from kvzap_export.integrations.row_table import RowTable
 
     scores, ids, lengths = _table(seed)
