@@ -23,9 +23,9 @@ derives plus the bookkeeping fits what ``--mem-fraction-static`` gives. A ``--ma
 same per-entry costs: still inside); SGLang's post-capture resize (``cap_tokens``) is refused. Packing the row
 tables' rows holds the old and the new buffer for the copy (a table-sized transient).
 
-On the flattened decode path (CUDA) the step buffers (``ragged_decode.DecodeBuffers``: each layer's rows, the kernel's
-partial results for the largest decode graph batch; 139 MB for Llama-3.1-8B in bf16 at 256 rows and graph batch 256, computed) do not scale with the
-entries: the hook sizes the pool once, asks SGLang how many request rows that pool gets (``resolve_max_num_reqs``),
+On the flattened decode path (CUDA) the step buffers (``ragged_decode.DecodeBuffers``: each layer's rows, the
+kernel's partial results for the largest decode graph batch; 139 MB for Llama-3.1-8B in bf16 at 256 rows and graph
+batch 256, computed) do not scale with the entries: the hook sizes the pool once, asks SGLang how many request rows that pool gets (``resolve_max_num_reqs``),
 sets the buffers for those rows and its decode graphs aside (``BudgetPlan.fixed``) and sizes the pool again; the
 backend logs a warning if what it builds exceeds that.
 """
