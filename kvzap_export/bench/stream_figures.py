@@ -79,7 +79,10 @@ def _logical(line: dict) -> int:
 
 def run_figures(result: dict) -> dict:
     """The figures of one run (see the module docstring) from the driver's stream result."""
-    steps = [r for r in result["readings"] if r.get("event") != "idle"]
+    # Under tensor parallelism every rank writes its own lines (its own KV heads): the figures are tensor-parallel
+    # rank 0's (its steps are every rank's; its memory figures are its heads').
+    readings = [r for r in result["readings"] if r.get("tp_rank", 0) == 0]
+    steps = [r for r in readings if r.get("event") != "idle"]
     if not steps:
         raise ValueError("the run left no step readings (KVZAP_STATS): was the plugin loaded by the engine?")
     per_token = steps[0]["layers"] * steps[0]["kv_heads"]
@@ -123,8 +126,8 @@ def run_figures(result: dict) -> dict:
     busiest = max(steps, key=lambda line: _pool_held(line, per_token))
     peak = _pool_held(busiest, per_token)
     pool = steps[0].get("head_slots_pool", steps[0]["pool_slots"] * per_token)
-    replays = [int(r["decode_graph_replays"]) for r in result["readings"] if r.get("decode_graph_replays") is not None]
-    taus = [float(r["threshold"]) for r in result["readings"] if r.get("threshold") is not None]
+    replays = [int(r["decode_graph_replays"]) for r in readings if r.get("decode_graph_replays") is not None]
+    taus = [float(r["threshold"]) for r in readings if r.get("threshold") is not None]
     cached = [r["cached_tokens"] for r in finished if r.get("cached_tokens") is not None]
     prompt_tokens = sum(r["prompt_tokens"] for r in finished if r.get("cached_tokens") is not None)
     return {

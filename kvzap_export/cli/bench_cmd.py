@@ -90,6 +90,10 @@ def _table(title: str, rows: list[dict]):
               help="With --engine: " + ENGINE_ARG_HELP + " Applies to every launch. The benchmark sets the model, the "
                    "load format, the KV budget, the running cap, attention backends, the radix cache and the overlap "
                    "scheduler through its own options. On a GPU without flashinfer: --engine-arg sampling_backend=pytorch.")
+@click.option("--tp-size", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="With --engine: SGLang's tensor parallelism (its --tp-size) in every launch; the figures are rank "
+                   "0's (its steps are every rank's; its memory figures its own KV heads'). On the CPU engine the ranks "
+                   "split this machine's cores.")
 @click.option("--save-runs", default=None, type=click.Path(), metavar="FILE",
               help="With --engine: append the settings, then each run's record (or error) as a JSON line to FILE as soon "
                    "as it is done, so that a benchmark cut short keeps what ran.")
@@ -99,7 +103,7 @@ def _table(title: str, rows: list[dict]):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema kvzap-export-bench/1).")
 def bench(device: str, only: str, engine, bundle, model, engine_python, requests, prompt_tokens, new_tokens, pool_tokens,
           rounds, threshold, dense_backend, configs, shared_prefix_tokens, kvzap_overlap, load_format, pruned_fraction,
-          dense_overlap, engine_arg, save_runs, with_compile: bool, as_json: bool) -> None:
+          dense_overlap, engine_arg, tp_size, save_runs, with_compile: bool, as_json: bool) -> None:
     """Benchmark KVzap: surrogate scoring (the engines' eager path, on a GPU also inside a CUDA graph; ONNX
     Runtime on a CPU), threshold compaction at 4k/32k/128k tokens (on a GPU the fused Triton and CUDA kernels as
     engines launch them), overhead vs one attention block at the model's dtype (Llama-3.1-8B shapes; at decode
@@ -122,13 +126,13 @@ def bench(device: str, only: str, engine, bundle, model, engine_python, requests
                          dense_backend, as_json, configs, shared_prefix_tokens, kvzap_overlap == "on", device=device,
                          load_format=load_format, pruned_fraction=pruned_fraction,
                          dense_overlap={"probe": None, "on": True, "off": False}[dense_overlap], engine_arg=engine_arg,
-                         save_runs=save_runs)
+                         save_runs=save_runs, tp_size=tp_size)
         return
     from kvzap_export.errors import ConfigError
 
     given = [name for name, value in (("--load-format", load_format != "auto"), ("--pruned-fraction", pruned_fraction),
                                       ("--dense-overlap", dense_overlap != "probe"), ("--engine-arg", engine_arg),
-                                      ("--save-runs", save_runs)) if value]
+                                      ("--save-runs", save_runs), ("--tp-size", tp_size != 1)) if value]
     if given:
         raise ConfigError(f"{given[0]}: it sets the engine benchmark; add --engine sglang")
     import torch

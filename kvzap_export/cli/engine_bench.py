@@ -31,7 +31,7 @@ ROWS = (("output tokens/s (whole stream)", "tokens_per_s"), ("requests/s", "requ
 RESERVED = {"model_path": "--model", "load_format": "--load-format", "skip_tokenizer_init": "--load-format dummy",
             "max_total_tokens": "--pool-tokens", "max_running_requests": "--requests (and the ragged-at-dense cap)",
             "attention_backend": "--dense-backend (KVzap's modes set their own)", "disable_radix_cache": "--configs",
-            "disable_overlap_schedule": "--kvzap-overlap / --dense-overlap"}
+            "disable_overlap_schedule": "--kvzap-overlap / --dense-overlap", "tp_size": "--tp-size"}
 PRUNING_RAGGED = ("ragged", "ragged-radix", "ragged-at-dense")  # the ragged configurations in which KVzap decides
 
 
@@ -96,7 +96,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
                      dense_backend, as_json, configs: str | None = None, shared: int = 0,
                      kvzap_overlap: bool = True, device: str = "cpu", load_format: str = "auto",
                      pruned_fraction: str | None = None, dense_overlap: bool | None = None, engine_arg=(),
-                     save_runs: str | None = None) -> None:
+                     save_runs: str | None = None, tp_size: int = 1) -> None:
     from kvzap_export.bench.run import SCHEMA
     from kvzap_export.bench.sglang_stream import (CPU_DENSE_BACKENDS, DEFAULT_CONFIGS, GPU_DENSE_BACKENDS, baseline_of,
                                                   bench_sglang, check_shared_prefix, parse_configs, parse_fractions)
@@ -122,6 +122,8 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
     fractions = parse_fractions(pruned_fraction)
     check_fractions(fractions, threshold, chosen)
     extra = parse_engine_args(engine_arg, RESERVED)
+    if tp_size != 1:
+        extra["tp_size"] = tp_size
     interpreter = engine_python(python)
     if device == "cuda":
         check_engine_gpu(interpreter)

@@ -58,10 +58,14 @@ from kvzap_export.cli.engine_args import HELP as ENGINE_ARG_HELP
               help="With --engine: " + ENGINE_ARG_HELP + " The engine level sets the model, float32, the prefill chunk "
                    "(--chunk-size) and the radix cache (--no-radix-cache) itself. On a GPU without flashinfer: "
                    "--engine-arg sampling_backend=pytorch.")
+@click.option("--tp-size", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="With --engine: SGLang's tensor parallelism (its --tp-size): N ranks, each holding its share of the KV "
+                   "heads (ragged mode: each rank stores and decides its own heads; the readings are every rank's). On "
+                   "the CPU engine the ranks split this machine's cores.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or checklist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no_model_level, engine, engine_mode, engine_python,
-             prompts_file, max_new_tokens, chunk_size, no_radix_cache, engine_arg, quiet, as_json) -> None:
+             prompts_file, max_new_tokens, chunk_size, no_radix_cache, engine_arg, tp_size, quiet, as_json) -> None:
     """Validate a bundle against the PyTorch reference at three levels.
 
     \b
@@ -89,6 +93,8 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
         raise ConfigError("--no-radix-cache: it turns the serving engine's radix cache off; add --engine sglang")
     if engine_arg and engine is None:
         raise ConfigError(f"--engine-arg {engine_arg[0]}: it sets a serving engine's argument; add --engine sglang")
+    if tp_size != 1 and engine is None:
+        raise ConfigError(f"--tp-size {tp_size}: it sets the serving engine's tensor parallelism; add --engine sglang")
     if engine is not None:
         from kvzap_export.cli.engine_report import run_engine_cli
 
@@ -99,7 +105,9 @@ def validate(bundle, backends, device, require, plugin_libs, cuda_lib, model, no
 
         extra = parse_engine_args(engine_arg, {"model_path": "--model", "dtype": "the engine level (float32: its reference's)",
                                                "chunked_prefill_size": "--chunk-size",
-                                               "disable_radix_cache": "--no-radix-cache"})
+                                               "disable_radix_cache": "--no-radix-cache", "tp_size": "--tp-size"})
+        if tp_size != 1:
+            extra["tp_size"] = tp_size
         run_engine_cli(bundle, engine, engine_mode, model, prompts_file, max_new_tokens, engine_python, device, quiet,
                        as_json, levels, chunk_size, radix_cache=not no_radix_cache, extra_engine_args=extra)
         return

@@ -86,6 +86,8 @@ class SharedRaggedStore(RaggedStore):
         ``clear_aside`` (the allocation that adopts them). One read of the device."""
         for key, slots, soft in zip(nodes, nodes.values(), self.soft_per_group(list(nodes.values()))):
             self.pending[key], self.pending_slots[key] = soft, slots
+        if self.ranks is not None:  # the most a node's soft entries can be, in tokens: its own (the same on every rank)
+            self.ranks.charge(sum(int(s.numel()) for s in nodes.values()), free=False)
 
     def unset_aside(self, key: int) -> None:
         """The last admission on node ``key`` ended without an adoption: its soft entries are room again."""
@@ -105,8 +107,19 @@ class SharedRaggedStore(RaggedStore):
         return out
 
     def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
-        need = self.num_layers * self.num_kv_heads * sum(counts)
-        if need > self.available:
+        per_token = self.num_layers * self.num_kv_heads
+        need = per_token * sum(counts)
+        ranks = self.ranks
+        if ranks is not None and ranks.shared:
+            # tensor parallelism: every rank reclaims the same way or none does, since a reclaim changes the engine's
+            # prefix cache, which the ranks share. The shared free figure (this allocation already charged) says
+            # whether any rank may be short; only then do they compare (blocking) and reclaim the most any needs.
+            if ranks.free(0) < 0:
+                self.exact()
+                short = ranks.most(-(-max(need - self.available, 0) // per_token))
+                if short and self.reclaimer is not None:
+                    self.reclaimer(short * per_token)
+        elif need > self.available:
             self.exact()  # the host's free count is a lower bound: learn the exact one before taking anything back
             if need > self.available and self.reclaimer is not None:  # soft entries were counted as room: take them back
                 self.reclaimer(need - self.available)
@@ -225,11 +238,16 @@ class SharedRaggedStore(RaggedStore):
         """Ends records the engine's prefix cache has not taken yet (running prompts recorded a step ago, under an
         overlap scheduler): those of the rows holding the most soft entries first, until ``short`` entries are freed
         (None: every row with a soft entry). A dropped row's recorded length falls back to where those records began,
-        so the engine will not cache those tokens; rows whose records hold no soft entry keep them. Reads the device
-        once (the soft entries per row). Returns the entries freed."""
+        so the engine will not cache those tokens; rows whose records hold no soft entry keep them. Under tensor
+        parallelism (``ranks``) every rank drops the same rows: in row order, as many as the rank that needs most.
+        Reads the device once (the soft entries per row). Returns the entries freed."""
         rows = list(self.unanchored)
         soft = self.soft_per_group([self.unanchored[r][1] for r in rows])
-        picked, _ = take_soft(soft, sorted(range(len(rows)), key=lambda i: -soft[i]), short)
+        if self.ranks is not None and self.ranks.shared:
+            order = sorted(range(len(rows)), key=lambda i: rows[i])
+            picked = order[: self.ranks.most(leading(soft, order, short))]
+        else:
+            picked, _ = take_soft(soft, sorted(range(len(rows)), key=lambda i: -soft[i]), short)
         chosen = [rows[i] for i in picked]
         if not chosen:
             return 0
@@ -303,3 +321,14 @@ def take_soft(soft: list[int], order, need: int | None) -> tuple[list[int], int]
             chosen.append(i)
             gained += soft[i]
     return chosen, gained
+
+
+def leading(soft: list[int], order, need: int | None) -> int:
+    """How many of ``order``'s first indices of ``soft`` free ``need`` entries (None, or never enough: all of them):
+    under tensor parallelism the ranks take the same leading groups, as many as the rank that needs most."""
+    order, gained = list(order), 0
+    for k, i in enumerate(order):
+        if need is not None and gained >= need:
+            return k
+        gained += soft[i]
+    return len(order)

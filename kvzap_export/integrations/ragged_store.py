@@ -79,6 +79,7 @@ class RaggedStore:
 
     moves_kept = True  # decide_prefill moves survivors to their row's first ids (module docstring)
     counts_releases = True  # a release of a row whose lengths the host knows pushes a number the host knows
+    ranks = None  # a rank_room.RankRoom when tensor-parallel ranks share one view of the room (the engine sets it)
 
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                  *, rows: int = 4, width: int = 16, dtype: torch.dtype = torch.float32,

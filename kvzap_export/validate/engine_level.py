@@ -88,9 +88,29 @@ def _entries(reading: dict | None, mode: str) -> int | None:
     ragged mode, else SGLang's allocator's slots times layers times KV heads."""
     if reading is None:
         return None
+    if "ranks" in reading:  # tensor parallelism: each rank holds its own KV heads
+        held = [_entries(rank, mode) for rank in reading["ranks"]]
+        return None if None in held else sum(held)
     if mode == "ragged":
         return int(reading["head_slots_held"]) if "head_slots_held" in reading else None
     return int(reading["slots_held"]) * int(reading["layers"]) * int(reading["kv_heads"])
+
+
+def _decided(reading: dict | None) -> int | None:
+    """The entries KVzap's decisions imply for a reading's request (every rank's under tensor parallelism)."""
+    if not reading:
+        return None
+    if "ranks" in reading:
+        decided = [rank.get("decided_entries") for rank in reading["ranks"]]
+        return None if None in decided else sum(decided)
+    return reading.get("decided_entries")
+
+
+def _rank_mismatches(reading: dict | None, mode: str) -> list[str]:
+    """Ranks (tensor parallelism) whose own pool holds other than their own heads' decisions imply."""
+    return [f"rank {rank.get('tp_rank')} holds {_entries(rank, mode)}, its decisions imply {rank['decided_entries']}"
+            for rank in (reading or {}).get("ranks", [])
+            if rank.get("decided_entries") is not None and _entries(rank, mode) != rank["decided_entries"]]
 
 
 def _reading_problem(reading: dict | None, mode: str, decoding: bool | None) -> str | None:
@@ -123,7 +143,7 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
         expected = lookup(reference, r["prompt_ids"], decoding, new_tokens)
         base = dense.get(r["prompt"])
         kv_held, kv_dense = _entries(r["reading"], mode), _entries(base and base["reading"], mode)
-        decided = (r["reading"] or {}).get("decided_entries")
+        decided = _decided(r["reading"])
         row = {"prompt": r["prompt"], "source": sources[r["prompt"]], "prompt_ids": r["prompt_ids"],
                "output_ids": r["output_ids"], "decoding": decoding, "kv_held": kv_held, "kv_dense": kv_dense,
                "freed_fraction": None if not kv_dense or kv_held is None else 1.0 - kv_held / kv_dense,
@@ -140,6 +160,10 @@ def summarize(raw: dict, reference: dict | None, mode: str, new_tokens: int, sou
         if mode in ("evict", "ragged") and decided is not None and kv_held != decided:
             problems.append(f"prompt {r['prompt'] + 1} decoding={decoding}: the engine holds {kv_held} entries, "
                             f"the decisions imply {decided}")
+        if "ranks" in (r["reading"] or {}):  # tensor parallelism: what each rank's own pool holds
+            row["kv_held_per_rank"] = [_entries(rank, mode) for rank in r["reading"]["ranks"]]
+            if mode == "ragged":
+                problems += [f"prompt {r['prompt'] + 1} decoding={decoding}: {m}" for m in _rank_mismatches(r["reading"], mode)]
         rows.append(row)
     referenced = [row for row in rows if row["matches_reference"] is not None]
     status = "failed" if problems else ("passed" if rows and len(referenced) == len(rows) else "skipped")

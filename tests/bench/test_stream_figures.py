@@ -193,3 +193,14 @@ def test_ragged_readings_give_the_replay_count_and_the_tau_in_effect():
     entry = summarize([{"round": 1, "label": "ragged", "mode": "ragged", "threshold": None, "pruned_fraction": 0.7,
                         "figures": f}])["ragged"]
     assert entry["decode_graph_replays"]["median"] == 5 and entry["pruned_fraction"] == 0.7
+
+
+def test_under_tensor_parallelism_the_figures_are_rank_zeros():
+    """Every rank writes its own lines (its own KV heads); the figures come from tensor-parallel rank 0's alone: the
+    other rank's lines, here with other pool figures, change nothing."""
+    one = result(ragged=True)
+    two = result(ragged=True)
+    two["readings"] = [{**r, "tp_rank": 0} for r in one["readings"]] + [
+        {**r, "tp_rank": 1, "t": r["t"] + 0.01, **({"head_slots_held": 1} if "head_slots_held" in r else {})}
+        for r in one["readings"]]
+    assert run_figures(two) == run_figures(one)

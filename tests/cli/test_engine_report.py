@@ -132,3 +132,25 @@ def test_engine_args_reach_the_engine_level_and_bad_ones_are_one_line(bundle, mo
     assert main(["validate", str(bundle), "--engine-arg", "x=1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--engine-arg x=1" in err and "--engine sglang" in err
+
+
+def test_tp_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys):
+    """--tp-size N reaches the engine as its tp_size; without --engine, or through --engine-arg, it is a one-line usage
+    error."""
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
+
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    engine = ["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle), "--json"]
+    assert main([*engine, "--tp-size", "2"]) == 0 and seen["engine_args"] == {"tp_size": 2}
+    for args, says in ((["validate", str(bundle), "--tp-size", "2"], "--engine sglang"),
+                       ([*engine, "--engine-arg", "tp_size=2"], "--tp-size"),
+                       ([*engine, "--tp-size", "0"], "0"),
+                       (["bench", "--tp-size", "2"], "--engine sglang")):
+        capsys.readouterr()
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and err.strip().count("\n") <= 1, err

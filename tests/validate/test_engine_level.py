@@ -141,3 +141,31 @@ def test_a_reference_from_other_settings_is_refused():
     check_reference(good, manifest)
     with pytest.raises(ConfigError, match="threshold -3.0 vs -4.0.*surrogate weights differ"):
         check_reference({"press": {**good["press"], "threshold": -3.0, "surrogate_sha256": "bb"}}, manifest)
+
+
+def test_tensor_parallel_readings_sum_the_ranks_and_each_rank_must_hold_what_its_heads_decide():
+    """Under tensor parallelism the driver's reading carries every rank's (each holds its own heads): the figures are
+    their sums, and a rank whose own pool differs from its own heads' decisions fails even when the sums agree."""
+    def ranked(*ranks):
+        return {**ranks[0], "ranks": [{**r, "tp_rank": i} for i, r in enumerate(ranks)]}
+
+    def run(second_rank_held):
+        r = raw({"off": [7, 8, 9, 11], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 5, 5]},
+                {"off": ranked(reading(6, head_slots_held=12, heads=1), reading(6, head_slots_held=12, heads=1)),
+                 "prefill": ranked(reading(6, 7, head_slots_held=7, heads=1), reading(6, 6, head_slots_held=6, heads=1)),
+                 "decoding": ranked(reading(6, 5, head_slots_held=5, heads=1),
+                                    reading(6, 6, head_slots_held=second_rank_held, heads=1))}, mode="ragged")
+        return summarize(r, REFERENCE, "ragged", 4, ["a"])
+
+    good = run(6)
+    assert good["status"] == "passed" and good["kv_held"] == 13 + 11 and good["kv_dense"] == 48
+    assert {row["decoding"]: row["kv_held_per_rank"] for row in good["prompts"]} == {False: [7, 6], True: [5, 6]}
+    # rank 1 holds one entry more than its heads imply, rank 0 one fewer (made up): the sums agree, the ranks do not
+    r = raw({"off": [7, 8, 9, 11], "prefill": [7, 8, 9, 10], "decoding": [7, 8, 5, 5]},
+            {"off": ranked(reading(6, head_slots_held=12, heads=1), reading(6, head_slots_held=12, heads=1)),
+             "prefill": ranked(reading(6, 7, head_slots_held=7, heads=1), reading(6, 6, head_slots_held=6, heads=1)),
+             "decoding": ranked(reading(6, 5, head_slots_held=4, heads=1), reading(6, 6, head_slots_held=7, heads=1))},
+            mode="ragged")
+    bad = summarize(r, REFERENCE, "ragged", 4, ["a"])
+    assert bad["status"] == "failed" and any("rank 1 holds 7, its decisions imply 6" in p for p in bad["problems"])
+    assert run(7)["status"] == "failed"

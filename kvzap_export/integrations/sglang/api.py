@@ -80,6 +80,9 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_SCHED, "Scheduler.running_batch", "field"),
     ApiName(_SB, "ScheduleBatch.batch_is_full", "field"),
     ApiName(_SCHED, "Scheduler.on_idle", "method", ("self",)),
+    # KVzap's figures in SGLang's internal state (``/server_info``'s ``internal_states``, one per data-parallel replica)
+    ApiName(_SCHED, "Scheduler.get_internal_state", "method", ("self", "recv_req")),
+    ApiName("sglang.srt.managers.io_struct", "GetInternalStateReqOutput.internal_state", "field"),
     ApiName(_SCHED, "Scheduler.is_fully_idle", "method", ("self",)),
     # ragged mode sets the flattened decode path's step buffers aside before sizing the pool (ragged_budget.budget_hook)
     ApiName("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator.resolve_max_num_reqs", "method",
@@ -168,12 +171,14 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.tp_size", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.pp_size", "field"),
     ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.attn_dp_size", "field"),
+    ApiName("sglang.srt.arg_groups.fields.parallel", "Parallel.dp_rank", "field"),
     ApiName("sglang.srt.arg_groups.fields.disagg", "Disagg.disaggregation_mode", "field"),
     # tensor parallelism
     ApiName("sglang.srt.distributed.parallel_state", "get_tp_group", "function", ()),
     ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.cpu_group", "field"),
     ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.world_size", "field"),
     ApiName("sglang.srt.distributed.parallel_state", "GroupCoordinator.rank_in_group", "field"),
+    ApiName("sglang.srt.configs.model_config", "ModelConfig.get_total_num_kv_heads", "method", ("self",)),
     # masking backends
     ApiName("sglang.srt.layers.attention.attention_registry", "register_attention_backend", "function", ("name",)),
     ApiName("sglang.srt.arg_groups.choices", "add_attention_backend_choices", "name"),

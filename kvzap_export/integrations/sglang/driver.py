@@ -17,7 +17,8 @@ prompts run in order, each run after the last: with the radix cache on, a later 
 Stream spec (``"stream": [{"input_ids", "max_new_tokens", "kvzap", "abort_after"?}, ...]``, optional
 ``"threshold"``: τ instead of the bundle's): every request is submitted at once (SGLang admits them as its
 memory allows), those with ``abort_after`` are aborted that many seconds after submission; mode ``dense`` runs
-SGLang without KVzap (readings only). Result: ``{"engine", "stream": [{"rid", "output_ids", "finish", "seconds",
+SGLang without KVzap (readings only); ``"server_info": true`` adds SGLang's internal state per data-parallel replica
+(``Engine.get_server_info()["internal_states"]``, KVzap's figures under ``"kvzap"``). Result: ``{"engine", "stream": [{"rid", "output_ids", "finish", "seconds",
 "t_submit", "t_done", "prompt_tokens", "cached_tokens"}], "readings": [every reading line], "wall_seconds"}``;
 ``t_submit`` / ``t_done`` are wall-clock times (``time.time()``, the clock of the readings); ``cached_tokens``: the
 prompt tokens SGLang took from its radix cache (SGLang's ``meta_info``; 0 with the cache off). ``gpu_memory``: on a
@@ -73,18 +74,62 @@ def engine_args(spec: dict) -> dict:
     if spec["mode"] in NO_GRAPH_MODES:
         args.update(NO_GRAPHS)
     args.update(spec.get("engine") or {})
+    if cpu and ranks(args) > 1:
+        # SGLang's CPU engine cannot size each rank's pool when ranks outnumber NUMA nodes; it asks for a fixed one
+        args.setdefault("max_total_tokens", CPU_RANKS_POOL_TOKENS)
     return args
 
 
+CPU_RANKS_POOL_TOKENS = 16384  # the KV pool of each rank on the CPU engine with several ranks, unless the spec sets one
+
+
+def ranks(args: dict) -> int:
+    """Scheduler processes an engine launch starts (tensor-parallel ranks times data-parallel replicas)."""
+    return int(args.get("tp_size") or 1) * int(args.get("dp_size") or 1)
+
+
+def bind_cpu_ranks(args: dict) -> None:
+    """On the CPU engine with several ranks: SGLang binds each rank to the cores of one NUMA node unless
+    ``SGLANG_CPU_OMP_THREADS_BIND`` says otherwise, and refuses more ranks than nodes; split this process's cores
+    evenly over the ranks instead (left alone when the caller set it)."""
+    n = ranks(args)
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" or n <= 1 or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        raise SystemExit(f"kvzap-sglang-driver: {n} engine ranks need at least {n} cores; this process may use "
+                         f"{len(cores)} (lower --tp-size / dp_size)")
+    share = len(cores) // n
+    groups = [cores[i * share:(i + 1) * share] for i in range(n)]
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(_core_ranges(g) for g in groups)
+
+
+def _core_ranges(cores: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (SGLang's notation for a rank's cores)."""
+    out, start = [], cores[0]
+    for a, b in zip(cores, cores[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else str(a))
+            start = b
+    return ",".join(out)
+
+
 def _last_reading(path: Path, rid: str) -> dict | None:
+    """The last reading of request ``rid``: tensor-parallel rank 0's, with ``ranks`` (each rank's last, by rank) when
+    more than one rank wrote (each holds its own KV heads)."""
     if not path.is_file():
         return None
-    last = None
+    last: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
         if entry.get("rid") == rid:
-            last = entry
-    return last
+            last[int(entry.get("tp_rank") or 0)] = entry
+    if not last:
+        return None
+    first = dict(last[min(last)])
+    if len(last) > 1:
+        first["ranks"] = [last[r] for r in sorted(last)]
+    return first
 
 
 # The model modules SGLang needs for the architectures KVzap's glue scores (api.SCORED_ATTENTION).
@@ -127,8 +172,10 @@ def _launch(spec: dict):
     skip_other_models(spec["model"])
     import sglang
 
+    args = engine_args(spec)
+    bind_cpu_ranks(args)
     started = time.perf_counter()
-    engine = sglang.Engine(**engine_args(spec))
+    engine = sglang.Engine(**args)
     return engine, stats, time.perf_counter() - started
 
 
@@ -203,11 +250,15 @@ def stream(spec: dict) -> dict:
         wall = time.perf_counter() - t0
         time.sleep(spec.get("settle_seconds", 2.0))  # the scheduler goes idle and writes its idle reading
         memory = _gpu_memory(engine)
+        info = engine.get_server_info() if spec.get("server_info") else None
     finally:
         engine.shutdown()
     readings = [json.loads(line) for line in stats.read_text().splitlines()] if stats.is_file() else []
-    return {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall,
-            "gpu_memory": memory}
+    out = {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall,
+           "gpu_memory": memory}
+    if info is not None:
+        out["server_info"] = {"internal_states": info.get("internal_states")}
+    return out
 
 
 def run(spec: dict, progress=None) -> dict:

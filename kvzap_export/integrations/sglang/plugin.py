@@ -62,7 +62,7 @@ def runtime() -> KVzapSGLang:
         rt = factory.from_bundle(cfg["bundle"], cfg["mode"], cfg["decoding"], size, rank, group, **cfg["policy"])
         if cfg.get("pruned_fraction") is not None:
             rt.pruned_fraction = cfg["pruned_fraction"]
-        rt.stats = AllocatorReadings.from_env(rank)
+        rt.stats = AllocatorReadings.from_env(rank, _dp_rank())
         _RUNTIME = rt
     return _RUNTIME
 
@@ -73,6 +73,15 @@ def _tp_group(parallel):
         return parallel.get_tp_group()
     except (AssertionError, AttributeError, RuntimeError):
         return None
+
+
+def _dp_rank() -> int | None:
+    """This process's data-parallel replica (None without data parallelism, or outside SGLang's processes)."""
+    try:
+        rank = sglang_module("sglang.srt.runtime_context").get_parallel().dp_rank
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+    return int(rank) if rank is not None else None
 
 
 def _backends(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -162,6 +171,9 @@ def _step_end_hook(result, *args, **kwargs):
     before = allocator.available_size()
     with _in_forward_stream(scheduler):
         rt.on_step_end(batch, getattr(scheduler, "chunked_req", None))
+    step_ended = getattr(allocator, "step_ended", None)
+    if step_ended is not None:  # ragged mode: tensor-parallel ranks start agreeing on the room (rank_room.py)
+        step_ended()
     if rt.stats is not None and (batch.forward_mode.is_extend() or batch.forward_mode.is_decode()) and batch.reqs:
         counts = tallies()
         rt.stats.record(batch, rt, {"host_reads": counts.take()} if counts is not None else None, scheduler)
@@ -180,14 +192,13 @@ def _positions_hook(result, *args, **kwargs):
 
 
 def _exact_at_idle_hook(scheduler, *args, **kwargs):
-    """BEFORE ``Scheduler.on_idle`` (ragged mode): once the scheduler is fully idle, the store waits for its last
-    snapshot (the device is idle: nothing to wait for long), so SGLang's idle check (``available + evictable ==
+    """BEFORE ``Scheduler.on_idle`` (ragged mode): once the scheduler is fully idle, the allocator makes its figures
+    exact (the store waits for its last snapshot, the device being idle; tensor-parallel ranks agree on what changed
+    since they last did, every rank being idle at the same loop), so SGLang's idle check (``available + evictable ==
     max_total_num_tokens``) reads exact figures, not the lower bounds a GPU's pending snapshot leaves."""
-    from kvzap_export.integrations.sglang.ragged_pool import built_store
-
-    store = built_store()
-    if store is not None and scheduler.is_fully_idle():
-        store.exact()
+    allocator = scheduler.token_to_kv_pool_allocator
+    if getattr(allocator, "store", None) is not None and scheduler.is_fully_idle():
+        allocator.exact()
 
 
 @one_line
@@ -201,12 +212,33 @@ def _idle_hook(result, scheduler, *args, **kwargs):
 
 @functools.cache
 def _readings_only():
-    """This process's readings without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use:
-    tensor-parallel rank 0 writes, the others do not."""
+    """This process's readings without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use."""
     from kvzap_export.integrations.sglang.stats import AllocatorReadings
 
     group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
-    return AllocatorReadings.from_env(group.rank_in_group if group is not None else 0)
+    return AllocatorReadings.from_env(group.rank_in_group if group is not None else 0, _dp_rank())
+
+
+def _internal_state_hook(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.get_internal_state``: KVzap's figures under ``"kvzap"`` in SGLang's internal state, which
+    ``/server_info`` (and ``Engine.get_server_info()``) lists per data-parallel replica: the mode, where it runs, and
+    the pools' readings at that moment (``stats.AllocatorReadings``' fields; under tensor parallelism rank 0's, its own
+    KV heads'). A reading that fails is reported as such, never raised: the request is an operator's query."""
+    from kvzap_export.integrations.sglang.stats import AllocatorReadings
+
+    state = getattr(result, "internal_state", None)
+    if not isinstance(state, dict) or _CONFIG is None:
+        return result
+    try:
+        rt = runtime()
+        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
+        state["kvzap"] = {"mode": rt.mode, "tp_rank": group.rank_in_group if group is not None else 0,
+                          "tp_size": group.world_size if group is not None else 1, "dp_rank": _dp_rank(),
+                          **AllocatorReadings.pool(scheduler.token_to_kv_pool_allocator, rt,
+                                                   getattr(scheduler, "tree_cache", None))}
+    except Exception as exc:  # noqa: BLE001 - an operator's query must not stop the scheduler
+        state["kvzap"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return result
 
 
 def _dense_step_end_hook(result, *args, **kwargs):
@@ -252,6 +284,7 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     register(api("Scheduler.__init__").target, _scheduler_built_hook, kind.AFTER)
     register(api("Scheduler.run_batch").target, _step_end_hook, kind.AFTER)
     register(api("Scheduler.on_idle").target, _idle_hook, kind.AFTER)
+    register(api("Scheduler.get_internal_state").target, _internal_state_hook, kind.AFTER)
     if mode in ("evict", "mask"):
         from kvzap_export.integrations.sglang import masking
 

@@ -11,6 +11,7 @@ import torch
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
+from kvzap_export.integrations.rank_room import RankRoom
 from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.ragged_budget import current_plan
 from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
@@ -61,14 +62,37 @@ def allocator_class():
             """Free logical slot ids (SGLang's own free list)."""
             return super().available_size()
 
+        def local_room(self) -> tuple[int, int]:
+            """This rank's (free, room) in dense tokens: the store's free entries, and with KVzap's tree also its soft
+            ones less those set aside (``SharedRaggedStore.reclaimable``), each // entries per token."""
+            free = self.store.available // self.entries_per_token
+            return free, (self.store.reclaimable // self.entries_per_token if self.tree is not None else free)
+
         def available_size(self):
             if self.store is None:
                 return super().available_size()
+            ranks = self.store.ranks
+            # tensor parallelism: the figure every rank shares (rank_room.py); one rank: this store's own
+            room = ranks.room(0) if ranks is not None and ranks.shared else self.local_room()[1]
             if self.tree is None:
-                return self.store.available // self.entries_per_token
+                return room
             # free + soft entries, less the tokens SGLang counts as evictable (whole nodes: their entries are all
             # soft), so that available + evictable is the room an eviction and a reclaim can make (ragged_radix.py)
-            return self.store.reclaimable // self.entries_per_token - self.tree.evictable_size()
+            return room - self.tree.evictable_size()
+
+        def exact(self) -> None:
+            """Exact figures: waits for the store's pending snapshots; under tensor parallelism then agrees with the
+            other ranks (blocking; every rank calls this at the same point, from a shared figure or at idle)."""
+            self.store.exact()
+            ranks = self.store.ranks
+            if ranks is not None and ranks.shared and ranks.dirty:
+                ranks.agree(*self.local_room())
+
+        def step_ended(self) -> None:
+            """After the step end's decisions: starts the ranks' next agreement (tensor parallelism; rank_room.py)."""
+            ranks = self.store.ranks if self.store is not None else None
+            if ranks is not None and ranks.shared:
+                ranks.start(*self.local_room())
 
         # On a GPU ``available_size()`` is a lower bound until the snapshot of the last decisions and releases has
         # arrived (ragged_mirror.py). SGLang decides on it without waiting where being short only delays (admission);
@@ -76,7 +100,7 @@ def allocator_class():
         # learns the exact figure, waiting for the device: a slow path only.
         def _exact_if_short(self, num_tokens: int) -> None:
             if self.store is not None and self.available_size() < num_tokens:
-                self.store.exact()
+                self.exact()
 
         def evict_to_free_tokens(self, tree_cache, num_tokens: int):
             self._exact_if_short(num_tokens)
@@ -88,6 +112,8 @@ def allocator_class():
                                                  spec_algorithm=spec_algorithm)
 
         def free(self, free_index):
+            if self.store is not None and self.store.ranks is not None:
+                self.store.ranks.touched()
             if isinstance(self.store, SharedRaggedStore) and self.free_group is None:
                 self.store.drop_records(free_index)  # the slots' records end with SGLang's hold on them
             super().free(free_index)
@@ -98,6 +124,8 @@ def allocator_class():
                 self.store.clear_records()
 
         def alloc(self, need_size: int):
+            if self.store is not None and self.store.ranks is not None:
+                self.store.ranks.charge(need_size)  # the same on every rank: the ranks' shared figure falls by it
             short = need_size - len(self.free_pages)
             if short > 0 and self.store is not None:
                 # Slot ids carry no K/V here: more of them cost 8 bytes each. The store's free entries are what
@@ -109,6 +137,15 @@ def allocator_class():
             return super().alloc(need_size)
 
     return KVzapRaggedAllocator
+
+
+def tp_cpu_group():
+    """SGLang's tensor-parallel CPU (gloo) group when it spans more than one rank, else None."""
+    try:
+        group = sglang_module("sglang.srt.distributed.parallel_state").get_tp_group()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+    return group.cpu_group if group.world_size > 1 else None
 
 
 def pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):
@@ -139,6 +176,9 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
     allocator = allocator_class()(tokens, dtype=pool.store_dtype, device=pool.device, kvcache=pool, need_sort=False)
     allocator.store, allocator.entries_per_token = store, layers * heads
     allocator.dense_tokens = tokens
+    group = tp_cpu_group()
+    if group is not None:
+        store.ranks = RankRoom(group, start=tokens)
     pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
     _STORE = store
     budget = current_plan()

@@ -28,7 +28,7 @@ from array import array
 
 import torch
 
-from kvzap_export.integrations.ragged_shared import SharedRaggedStore, take_soft
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore, leading, take_soft
 from kvzap_export.integrations.sglang.api import sglang_module
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,14 @@ def radix_cache_class():
             store.reclaims += 1
             target = store.available + short
             allocator = self.token_to_kv_pool_allocator
+            # tensor parallelism: the ranks share this tree, so each step below acts the same on every rank (the
+            # ``short`` asked is the most any rank needs; a step is skipped only when no rank needs it)
+            ranks = store.ranks if store.ranks is not None and store.ranks.shared else None
+
+            def done() -> bool:
+                met = store.available >= target
+                return met if ranks is None else ranks.most(int(not met)) == 0
+
             if self.evictable_size_ > 0:
                 # the evicted slots' records released at once, in one group; if a group is already open (not at SGLang
                 # 0.5.23's allocation sites) its slots wait for its end, their records do not
@@ -199,20 +207,24 @@ def radix_cache_class():
                         allocator.free_group_end()
                 if not ours and allocator.free_group:
                     store.drop_records(torch.cat(allocator.free_group))
-            if store.available >= target:
+            if done():
                 return
             locked = sorted((n for n in self._nodes() if n.lock_ref > 0 and n not in self._broken),
                             key=lambda n: n.last_access_time)
             if locked:  # one read of the device for all of them, one release of the chosen nodes' records
                 soft = store.soft_per_group([n.value for n in locked])
-                picked, gained = take_soft(soft, range(len(locked)), target - store.available)
+                if ranks is None:
+                    picked, gained = take_soft(soft, range(len(locked)), target - store.available)
+                else:  # the same least recently used nodes on every rank, as many as the rank that needs most
+                    picked = list(range(ranks.most(leading(soft, range(len(locked)), target - store.available))))
+                    gained = sum(soft[i] for i in picked)
                 chosen = [locked[i] for i in picked]
                 store.drop_records(torch.cat([n.value for n in chosen]) if chosen else locked[0].value[:0])
                 self._broken.update(chosen)
                 store.reclaimed_nodes += len(chosen)
                 log.info("KVzap ragged mode: took back %d soft entries from %d running prompts' cached nodes", gained,
                          len(chosen))
-            if store.available < target and store.unanchored:
+            if store.unanchored and not done():
                 # under the overlap scheduler: prompts recorded a step ago, which SGLang has not inserted into the tree
                 # yet (it processes a step's result after it prepares the next batch); they will not be cached
                 gained = store.drop_unanchored(target - store.available)

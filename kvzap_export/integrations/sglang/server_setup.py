@@ -111,6 +111,7 @@ class ServerSetup:
     decode_graphs: bool = False  # CUDA graphs captured for decode
     prefill_graphs: bool = False  # CUDA graphs captured for prefill
     tp_size: int = 1
+    kv_heads: int = 0  # the model's KV heads (all ranks together)
     radix_tree: str = ""  # the class of SGLang's tree cache (ragged mode shares prefixes through KVzap's own)
     pdmux: bool = False  # PD multiplexing (--enable-pdmux): a prompt's forward split into layer groups
 
@@ -133,7 +134,8 @@ class ServerSetup:
                    prefill_backend=str(kernel.prefill_attention_backend or backend),
                    decode_backend=str(kernel.decode_attention_backend or backend), decode_graphs=decode_graphs,
                    prefill_graphs=prefill_graphs,
-                   tp_size=int(parallel.tp_size), radix_tree=type(scheduler.tree_cache).__name__,
+                   tp_size=int(parallel.tp_size), kv_heads=int(scheduler.model_config.get_total_num_kv_heads()),
+                   radix_tree=type(scheduler.tree_cache).__name__,
                    pdmux=bool(scheduler.enable_pdmux))
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
@@ -175,10 +177,10 @@ class ServerSetup:
         if self.mixed_chunk:
             out.append("mixed chunks run decode rows through the extend path, which KVzap does not mask "
                        "(drop --enable-mixed-chunk)")
-        if mode == "ragged" and self.tp_size != 1:
-            # Each rank holds other heads, so its per-head pool frees a different amount: the ranks' schedulers,
-            # which admit by the pool's free entries, would diverge.
-            out.append(f"tensor parallelism is {self.tp_size} (use --tp-size 1 in ragged mode, or KVZAP_MODE=evict)")
+        if mode == "ragged" and self.tp_size > self.kv_heads > 0:
+            # SGLang replicates KV heads over ranks then; ragged mode is not tested with replicated heads
+            out.append(f"tensor parallelism is {self.tp_size} for {self.kv_heads} KV heads, which SGLang would replicate "
+                       f"over ranks (use --tp-size {self.kv_heads} or fewer in ragged mode, or KVZAP_MODE=mask)")
         if mode in ("evict", "ragged") and self.page_size != 1:
             out.append(f"the page size is {self.page_size} (use --page-size 1: entries are freed one by one)")
         if self.kv_quantized or self.kv_dtype not in UNQUANTIZED_DTYPES:

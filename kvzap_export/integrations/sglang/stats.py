@@ -1,6 +1,8 @@
 """Allocator readings: what SGLang's own KV pools hold, per request at every step end, and at idle.
 
-Opt-in with ``KVZAP_STATS=FILE`` (JSON lines, appended by the scheduler process of tensor-parallel rank 0);
+Opt-in with ``KVZAP_STATS=FILE`` (JSON lines, appended by every scheduler process: each line names its
+``tp_rank`` and ``dp_rank``, the tensor-parallel rank and data-parallel replica, None without data parallelism;
+under tensor parallelism each rank reads its own pools, which hold its own KV heads);
 it works with KVzap on (any mode) and off (``KVZAP_BUNDLE`` unset: a dense SGLang's readings, the baseline
 of the SGLang engine benchmark). The numbers come from the engine's pools, never from KVzap's decisions:
 
@@ -37,22 +39,29 @@ ENV = "KVZAP_STATS"
 class AllocatorReadings:
     """Appends JSON lines to ``path``."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, tp_rank: int = 0, dp_rank: int | None = None):
         self.path = Path(path)
+        self.where = {"tp_rank": tp_rank, "dp_rank": dp_rank}
         self._last_idle: dict | None = None
 
     @classmethod
-    def from_env(cls, tp_rank: int = 0) -> "AllocatorReadings | None":
+    def from_env(cls, tp_rank: int = 0, dp_rank: int | None = None) -> "AllocatorReadings | None":
         path = os.environ.get(ENV)
-        return cls(path) if path and tp_rank == 0 else None
+        return cls(path, tp_rank, dp_rank) if path else None
 
     def _write(self, lines: list[dict]) -> None:
+        """Appends ``lines`` in one write (several processes append to one file)."""
         if lines:
-            with self.path.open("a") as fh:
-                fh.write("\n".join(json.dumps(line) for line in lines) + "\n")
+            data = "".join(json.dumps({**line, **self.where}) + "\n" for line in lines).encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
 
     @staticmethod
-    def _pool(allocator, rt, tree=None) -> dict:
+    def pool(allocator, rt, tree=None) -> dict:
+        """The pools' figures of one reading (module docstring)."""
         kv = allocator.get_kvcache()
         size = int(allocator.size)
         # SGLang's own free list of slot ids. In ragged mode the allocator's available_size() is the per-head
@@ -78,7 +87,7 @@ class AllocatorReadings:
         (``host_reads``: the step's counted reads, ``host_reads.py``). ``scheduler``: its allocator and radix tree are
         read."""
         allocator = scheduler.token_to_kv_pool_allocator if scheduler is not None else batch.token_to_kv_pool_allocator
-        pool = self._pool(allocator, rt, getattr(scheduler, "tree_cache", None))
+        pool = self.pool(allocator, rt, getattr(scheduler, "tree_cache", None))
         now, forward = time.time(), "extend" if batch.forward_mode.is_extend() else "decode"
         lines = []
         extend_lens = batch.extend_lens if forward == "extend" else None
@@ -102,7 +111,7 @@ class AllocatorReadings:
 
     def record_idle(self, scheduler, rt=None) -> None:
         """The pools with no request running; written once after each busy period (and when it changes)."""
-        pool = self._pool(scheduler.token_to_kv_pool_allocator, rt, getattr(scheduler, "tree_cache", None))
+        pool = self.pool(scheduler.token_to_kv_pool_allocator, rt, getattr(scheduler, "tree_cache", None))
         if pool != self._last_idle:
             self._last_idle = pool
             self._write([{"event": "idle", "t": time.time(), **pool}])

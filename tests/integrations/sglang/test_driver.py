@@ -51,3 +51,27 @@ def test_gpu_memory_comes_from_nvml_on_a_gpu_engine_and_is_none_on_the_cpu(monke
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace())  # no NVML calls: no reading, no error
     assert driver._gpu_memory(engine) is None
+
+
+def test_cpu_ranks_get_their_share_of_the_cores_and_a_fixed_pool(monkeypatch):
+    """Several ranks on the CPU engine: SGLang binds one NUMA node a rank unless told, and cannot size their pools; the
+    driver splits this process's cores evenly and gives each rank a fixed pool, unless the caller set either."""
+    from kvzap_export.integrations.sglang import driver
+
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    args = driver.engine_args({"model": "m", "mode": "ragged", "engine": {"tp_size": 2}})
+    assert args["max_total_tokens"] == driver.CPU_RANKS_POOL_TOKENS
+    assert "max_total_tokens" not in driver.engine_args({"model": "m", "mode": "ragged"})
+    assert driver.engine_args({"model": "m", "mode": "ragged", "engine": {"dp_size": 2, "max_total_tokens": 99}})[
+        "max_total_tokens"] == 99
+    monkeypatch.setattr(driver.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    driver.bind_cpu_ranks({"tp_size": 2})
+    assert driver.os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "7|8")
+    driver.bind_cpu_ranks({"tp_size": 2})
+    assert driver.os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "7|8"  # the caller's
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+    with pytest.raises(SystemExit, match="6 engine ranks need at least 6 cores"):
+        driver.bind_cpu_ranks({"tp_size": 2, "dp_size": 3})
+    assert driver._core_ranges([0, 1, 2, 5]) == "0-2,5" and driver._core_ranges([3]) == "3"

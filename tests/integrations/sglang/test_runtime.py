@@ -154,7 +154,7 @@ ALL = ("evict", "mask", "ragged")
     ({"decode_graphs": True}, ("evict", "mask"), "--cuda-graph-backend-decode disabled"),
     ({"prefill_graphs": True}, ALL, "--cuda-graph-backend-prefill disabled"),
     ({"prefill_graphs": True, "decode_graphs": True}, ALL, "--cuda-graph-backend-prefill disabled"),
-    ({"tp_size": 2}, ("ragged",), "--tp-size 1"),
+    ({"tp_size": 4, "kv_heads": 2}, ("ragged",), "--tp-size 2"),  # heads SGLang would replicate over ranks
     ({"page_size": 16}, ("evict", "ragged"), "--page-size 1"),
     ({"kv_dtype": torch.float8_e4m3fn}, ("evict", "mask", "ragged"), "--kv-cache-dtype auto"),
     ({"kv_quantized": True}, ("evict", "mask", "ragged"), "--kv-cache-dtype auto"),
@@ -174,6 +174,12 @@ def test_server_setup_names_the_flag_to_fix(surrogate, change, modes, flag):
             assert "\n" not in str(err.value) and runtime.setup is None
         else:
             assert problems == []
+
+
+def test_tensor_parallelism_runs_in_every_mode_while_each_rank_holds_whole_kv_heads():
+    for mode in ALL:
+        assert good_setup(tp_size=2, kv_heads=2).problems(mode) == []
+        assert good_setup(tp_size=4, kv_heads=8).problems(mode) == []
 
 
 def test_ragged_mode_runs_the_radix_cache_with_its_own_tree_only():
