@@ -82,6 +82,9 @@ def run_figures(result: dict) -> dict:
     # Under tensor parallelism every rank writes its own lines (its own KV heads): the figures are tensor-parallel
     # rank 0's (its steps are every rank's; its memory figures are its heads').
     readings = [r for r in result["readings"] if r.get("tp_rank", 0) == 0]
+    if len({r.get("dp_rank") for r in readings}) > 1:
+        raise ValueError("the readings come from several data-parallel replicas: the figures time one scheduler's steps "
+                         "(run the benchmark without dp_size)")
     steps = [r for r in readings if r.get("event") != "idle"]
     if not steps:
         raise ValueError("the run left no step readings (KVZAP_STATS): was the plugin loaded by the engine?")

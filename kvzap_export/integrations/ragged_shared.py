@@ -45,7 +45,9 @@ class SharedRaggedStore(RaggedStore):
         self.slot_has = torch.zeros(max(slots, 1), dtype=torch.bool, device=self.device)
         self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
-        self.reclaimer = None  # callable(short): frees at least ``short`` more entries (the engine's prefix cache)
+        # callable(short, extra=0): frees at least ``short`` more entries, and ``extra`` more where the engine's cache
+        # has unused prefixes to evict (the engine's prefix cache)
+        self.reclaimer = None
         self.reclaimed_nodes = 0  # cached prefixes whose soft entries a reclaim took back (the engine's count)
         self.reclaims = 0  # allocations that found too few free entries and took soft ones back (the engine's count)
         self.dropped_prompts = 0  # rows whose records ``drop_unanchored`` ended before the engine cached them
@@ -55,6 +57,7 @@ class SharedRaggedStore(RaggedStore):
         # (``set_aside``; kept current when a row lets go of some of them in between: ``_give``)
         self.pending: dict[int, int] = {}
         self.pending_slots: dict[int, torch.Tensor] = {}  # the same nodes -> their slots
+        self.aside_charged: dict[int, int] = {}  # tensor parallelism: the same nodes -> the tokens charged (``ranks``)
         # request row -> (position, slots): the row's records from ``position`` on, which the engine's prefix cache has
         # not taken yet (``anchored``). Under an overlap scheduler the engine inserts a prompt into its cache a step
         # after the step end recorded it, and admits requests in between: their soft entries are room, and only
@@ -87,17 +90,22 @@ class SharedRaggedStore(RaggedStore):
         for key, slots, soft in zip(nodes, nodes.values(), self.soft_per_group(list(nodes.values()))):
             self.pending[key], self.pending_slots[key] = soft, slots
         if self.ranks is not None:  # the most a node's soft entries can be, in tokens: its own (the same on every rank)
-            self.ranks.charge(sum(int(s.numel()) for s in nodes.values()), free=False)
+            new = {key: int(slots.numel()) for key, slots in nodes.items() if key not in self.aside_charged}
+            self.ranks.charge(sum(new.values()), free=False)
+            self.aside_charged.update(new)
 
     def unset_aside(self, key: int) -> None:
         """The last admission on node ``key`` ended without an adoption: its soft entries are room again."""
         self.pending.pop(key, None)
         self.pending_slots.pop(key, None)
+        if self.ranks is not None:
+            self.ranks.refund(self.aside_charged.pop(key, 0))
 
     def clear_aside(self) -> None:
         """The admitted requests adopted what their admissions set aside."""
         self.pending.clear()
         self.pending_slots.clear()
+        self.aside_charged.clear()  # adopted: the rows now hold what the charges stood for
 
     def nbytes(self) -> dict[str, int]:
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -113,12 +121,16 @@ class SharedRaggedStore(RaggedStore):
         if ranks is not None and ranks.shared:
             # tensor parallelism: every rank reclaims the same way or none does, since a reclaim changes the engine's
             # prefix cache, which the ranks share. The shared free figure (this allocation already charged) says
-            # whether any rank may be short; only then do they compare (blocking) and reclaim the most any needs.
+            # whether any rank may be short; only then do they agree (blocking), learning the most any rank is short
+            # of, and reclaim that, evicting as much again of the cache's unused prefixes where it has them (the next
+            # allocations then find room without this path).
             if ranks.free(0) < 0:
                 self.exact()
-                short = ranks.most(-(-max(need - self.available, 0) // per_token))
+                tokens = sum(counts)
+                short = ranks.agree_short((self.available - need) // per_token, (self.reclaimable - need) // per_token,
+                                          -(-max(need - self.available, 0) // per_token))
                 if short and self.reclaimer is not None:
-                    self.reclaimer(short * per_token)
+                    self.reclaimer(short * per_token, tokens * per_token)
         elif need > self.available:
             self.exact()  # the host's free count is a lower bound: learn the exact one before taking anything back
             if need > self.available and self.reclaimer is not None:  # soft entries were counted as room: take them back

@@ -9,14 +9,15 @@ falls short of. ``RankRoom`` gives it:
   the room with reclaimable entries counted), plus ``charged``;
 - between agreements the figure falls by **charges**: what the engine's own bookkeeping takes, identical on every
   rank (tokens the engine allocates; a cached prefix set aside for an admission, charged at its token count, the most
-  its soft entries can be); frees are not counted until the next agreement. So ``room()`` is the same on every rank and
+  its soft entries can be, and refunded if the admission ends without taking it); frees are not counted until the
+  next agreement. So ``room()`` is the same on every rank and
   never above any rank's own (the argument: docs/ragged-kv.md, "Tensor parallelism").
 
 Costs: the step end starts an agreement without waiting (``start``: an asynchronous all-reduce on the ranks' CPU
 group, which the engine's own per-step broadcast of new requests already uses); the next step end installs it
-(``settle``), long finished by then. A blocking agreement (``agree``) runs only where the engine acts on a short
-figure (it would evict or retract) and at idle, at points every rank reaches together because it reads the shared
-figure. One rank (no group, or a group of one): every method is the local figure and costs nothing.
+(``settle``), long finished by then. A blocking agreement (``agree``, ``agree_short``) runs only where the engine
+acts on a short figure (it would evict, retract, or reclaim) and at a scheduler loop that ran no batch, at points
+every rank reaches together because they follow from the shared figure. One rank (no group, or a group of one): every method is the local figure and costs nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ class RankRoom:
             self.charged[1] += tokens
             if free:
                 self.charged[0] += tokens
+            self.dirty = True
+
+    def refund(self, tokens: int) -> None:
+        """Gives back a room-only charge whose cause ended without taking anything (an admission's prefix set aside,
+        then let go without an adoption: each rank's own room is back too)."""
+        if tokens:
+            self.charged[1] -= tokens
             self.dirty = True
 
     def touched(self) -> None:
@@ -105,6 +113,20 @@ class RankRoom:
         self._install(t)
         self.blocking += 1
         self.dirty = False
+
+    def agree_short(self, free: int, room: int, short: int) -> int:
+        """One blocking all-reduce that both agrees (as ``agree``) and returns the most any rank is ``short`` of (the
+        slow path of an allocation; every rank calls it at the same point)."""
+        if not self.shared:
+            return short
+        import torch.distributed as dist
+
+        self.settle()
+        t = torch.tensor([free + self.charged[0], room + self.charged[1], -short], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self._install(t)
+        self.blocking += 1
+        return -int(t[2])
 
     def most(self, value: int) -> int:
         """The largest ``value`` over ranks (blocking; the slow path, at a point every rank reaches together)."""

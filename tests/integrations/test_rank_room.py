@@ -38,6 +38,11 @@ def _ranks(rank: int, init: str, out: str, seed: int) -> None:
             room.charge(n)
             local -= n
             assert local >= 0, f"rank {rank} ran out at step {step}"
+        if step % 7 == 0:  # a prefix set aside for an admission that then ends without taking it
+            room.charge(5, free=False)
+            seen_aside = room.room(0)
+            room.refund(5)
+            assert room.room(0) == seen_aside + 5
         freed = rng.randint(0, 10)
         local += freed if rank == 0 else freed // 3
         seen.append([room.room(0), local])
@@ -46,7 +51,8 @@ def _ranks(rank: int, init: str, out: str, seed: int) -> None:
         else:
             room.start(local, local)
     room.settle()
-    seen.append([room.room(0), local, room.most(rank * 10), room.agreements, room.blocking])
+    short = room.agree_short(local, local, 3 * rank)  # the most any rank is short of, and an agreement
+    seen.append([room.room(0), local, room.most(rank * 10), room.agreements, room.blocking, short])
     with open(out, "w") as fh:
         json.dump(seen, fh)
     dist.destroy_process_group()
@@ -70,6 +76,7 @@ def test_two_ranks_see_one_figure_never_above_either_ranks_own(tmp_path):
     assert all(s[0] <= min(a[1], b[1]) for s, a, b in zip(zero, zero, one))  # never above either rank's own
     assert zero[-2][1] > one[-2][1]  # rank 0 freed more: the figure followed rank 1
     assert zero[-1][2] == one[-1][2] == 10  # most(): the larger of 0 and 10
-    assert zero[-1][3] == one[-1][3] >= 299 and zero[-1][4] == 6  # every agreement installed, 6 of them blocking
+    assert zero[-1][3] == one[-1][3] >= 300 and zero[-1][4] == 7  # every agreement installed, 7 of them blocking
+    assert zero[-1][5] == one[-1][5] == 3 and zero[-1][0] == min(zero[-1][1], one[-1][1])  # agree_short: 3, exact
     # frees count one agreement late: the figure trails rank 1's own (the lesser) by at most two steps' frees (3 each)
     assert max(min(a[1], b[1]) - a[0] for a, b in zip(zero[:-1], one[:-1])) <= 6

@@ -38,6 +38,8 @@ from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
 from kvzap_export.integrations.sglang.server_setup import ServerSetup, graphs_problem, prefill_graphs_default
+from kvzap_export.integrations.sglang.settings import (check_sglang_version, evict_frees_nothing,
+                                                       pruned_fraction_from_env, threshold_from_env)
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +194,15 @@ def _positions_hook(result, *args, **kwargs):
 
 
 def _exact_at_idle_hook(scheduler, *args, **kwargs):
-    """BEFORE ``Scheduler.on_idle`` (ragged mode): once the scheduler is fully idle, the allocator makes its figures
-    exact (the store waits for its last snapshot, the device being idle; tensor-parallel ranks agree on what changed
-    since they last did, every rank being idle at the same loop), so SGLang's idle check (``available + evictable ==
-    max_total_num_tokens``) reads exact figures, not the lower bounds a GPU's pending snapshot leaves."""
+    """BEFORE ``Scheduler.on_idle`` (ragged mode): once the scheduler is fully idle, the store waits for its last
+    snapshot (the device is idle: nothing to wait for long), so SGLang's idle check (``available + evictable ==
+    max_total_num_tokens``) reads exact figures, not the lower bounds a GPU's pending snapshot leaves. Tensor-parallel
+    ranks agree on what changed since they last did at every loop that ran no batch (every rank reaches it in the same
+    loop), fully idle or not: a waiting request that fits only in the room finished requests freed would otherwise wait
+    for a step end that never comes."""
     allocator = scheduler.token_to_kv_pool_allocator
-    if getattr(allocator, "store", None) is not None and scheduler.is_fully_idle():
+    store = getattr(allocator, "store", None)
+    if store is not None and (scheduler.is_fully_idle() or (store.ranks is not None and store.ranks.shared)):
         allocator.exact()
 
 
@@ -304,71 +309,6 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
             log.warning(warning)
 
 
-def evict_frees_nothing(bundle, threshold=None) -> str | None:
-    """A warning when the bundle's own measurement says evict mode cannot free memory on this model.
-
-    Evict mode keeps one KV length per request (SGLang's slots hold every layer and head of a token), so a request
-    holds what its busiest (layer, head) keeps. The bundle's model level measured, on its validation prompts, the
-    entries that one length per request would hold (``kv_cache_layouts_from_counts.uniform``); where that is
-    every entry, evict mode pays for scoring and masked decode and frees nothing."""
-    import json
-    from pathlib import Path
-
-    try:
-        report = json.loads((Path(bundle) / "report" / "parity.json").read_text())
-        model = next(c for c in report["checks"] if c["name"] == "model:compacted_vs_kvpress")
-        layouts = model["detail"]["kv_cache_layouts_from_counts"]
-        uniform, ragged = layouts["uniform"]["freed_fraction"], layouts["ragged"]["freed_fraction"]
-    except (OSError, ValueError, KeyError, StopIteration, TypeError):
-        return None  # no measurement in this bundle: nothing to say
-    if uniform > 0.01:
-        return None
-    at = "" if threshold is None else f" (measured at the bundle's threshold; this server uses τ = {threshold})"
-    return (f"KVzap evict mode frees nothing on this model: on the bundle's validation prompts one KV length per "
-            f"request freed {uniform:.1%} of the entries where per-head storage freed {ragged:.1%}{at}; every request "
-            "keeps what its busiest head keeps. Use KVZAP_MODE=ragged to free memory (evict mode still gives "
-            "kvpress's tokens)")
-
-
-def check_sglang_version() -> None:
-    """The glue names SGLang internals of one release: any other stops the launch (one line, both versions)."""
-    import importlib.metadata
-
-    from kvzap_export.integrations.sglang.api import SGLANG_VERSION
-
-    try:
-        found = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return  # not an SGLang process: importing SGLang later says how to install it
-    if found != SGLANG_VERSION:
-        raise ConfigError(f"KVzap's SGLang glue is written against sglang {SGLANG_VERSION}, this process has sglang "
-                          f"{found}; install sglang=={SGLANG_VERSION} (or a kvzap-export release for {found})")
-
-
-def _number_from_env(name: str, key: str, valid, hint: str) -> dict:
-    """``{key: float($name)}`` when the variable is set, ``{}`` when not; a value that is no number or fails ``valid``
-    is a one-line error saying what to use (``hint``)."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return {}
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or not valid(value):
-        raise ConfigError(f"{name}={raw!r}: use {hint}")
-    return {key: value}
-
-
-def _threshold_from_env() -> dict:
-    return _number_from_env("KVZAP_THRESHOLD", "threshold", lambda v: True, "a number such as -4 (a log-score threshold)")
-
-
-def _pruned_fraction_from_env() -> dict:
-    return _number_from_env("KVZAP_PRUNED_FRACTION", "pruned_fraction", lambda v: 0.0 < v < 1.0,
-                            "a fraction such as 0.7 (strictly between 0 and 1)")
-
-
 def load_plugin() -> None:
     """``sglang.srt.plugins`` entry point: reads ``KVZAP_*`` and installs (see the module docstring).
 
@@ -393,7 +333,7 @@ def load_plugin() -> None:
     try:
         if decoding not in ("1", "0", "true", "false"):
             raise ConfigError(f"KVZAP_DECODING={decoding!r}: use 1 (also evict while decoding) or 0 (prefill only)")
-        install(bundle, mode, decoding in ("1", "true"), **_threshold_from_env(), **_pruned_fraction_from_env())
+        install(bundle, mode, decoding in ("1", "true"), **threshold_from_env(), **pruned_fraction_from_env())
     except KvzapError as exc:
         raise SystemExit(f"kvzap-export: {exc}") from None
     log.info("KVzap on: bundle %s, mode %s", bundle, mode)

@@ -177,8 +177,9 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
     allocator.store, allocator.entries_per_token = store, layers * heads
     allocator.dense_tokens = tokens
     group = tp_cpu_group()
-    if group is not None:
+    if group is not None:  # one blocking agreement now: the ranks' pools are sized alike, checked rather than assumed
         store.ranks = RankRoom(group, start=tokens)
+        store.ranks.agree(tokens, tokens)
     pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
     _STORE = store
     budget = current_plan()

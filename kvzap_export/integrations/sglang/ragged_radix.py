@@ -177,11 +177,12 @@ def radix_cache_class():
                 stack.extend(node.children.values())
             return out
 
-        def reclaim(self, short: int) -> None:
+        def reclaim(self, short: int, extra: int = 0) -> None:
             """Frees at least ``short`` entries for an allocation that found too few free (``available_size()``
             counted them as room): unlocked nodes through SGLang's eviction first, then the records of locked nodes,
             least recently used first (those nodes become broken), then the records of prompts not in the tree yet
-            (under the overlap scheduler: ``SharedRaggedStore.drop_unanchored``)."""
+            (under the overlap scheduler: ``SharedRaggedStore.drop_unanchored``). ``extra``: entries more to free by
+            SGLang's eviction alone, where unlocked nodes remain (tensor parallelism's headroom)."""
             store, per_token = self.store, self.entries_per_token
             store.reclaims += 1
             target = store.available + short
@@ -201,7 +202,7 @@ def radix_cache_class():
                 if ours:
                     allocator.free_group_begin()
                 try:
-                    self.evict(evict_params(num_tokens=-(-short // per_token)))
+                    self.evict(evict_params(num_tokens=-(-(short + extra) // per_token)))
                 finally:
                     if ours:
                         allocator.free_group_end()

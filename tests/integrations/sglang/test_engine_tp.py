@@ -186,3 +186,21 @@ def test_tensor_parallelism_that_would_replicate_kv_heads_stops_ragged_mode_in_o
     done = run_driver(tmp_path, spec, SGLANG_CPU_OMP_THREADS_BIND="0|1|0|1")
     assert done.returncode != 0
     assert "tensor parallelism is 4 for 2 KV heads" in done.stderr and "--tp-size 2" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_request_that_fits_only_in_what_finished_requests_freed_is_admitted_once_they_end(qwen3, tmp_path):
+    """``--tp-size 2``, ragged mode, a pool of 600 tokens and three requests of 280 submitted at once: two run, the third
+    fits only in what they free when they end. Their frees come after the last step end's agreement, and a loop that
+    runs no batch has no step end: the ranks agree at such loops too (the BEFORE hook on ``on_idle``), so the third is
+    admitted and every request ends (without that agreement it would wait for ever: the driver's timeout)."""
+    model, bundle = qwen3
+    ids = [i for p in reference_prompts(bundle) for i in p]
+    stream = [{"input_ids": ids[k * 250:(k + 1) * 250], "max_new_tokens": 30, "kvzap": "off"} for k in range(3)]
+    spec = {"model": str(model), "bundle": str(bundle), "mode": "ragged", "stream": stream,
+            "engine": {"max_total_tokens": 600, "max_running_requests": 4, "tp_size": 2, "disable_radix_cache": True}}
+    done = run_driver(tmp_path, spec, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [r["finish"] for r in out["stream"]] == ["length"] * 3
+    running = [r["running_requests"] for r in out["readings"] if r.get("event") != "idle" and r["tp_rank"] == 0]
+    assert max(running) == 2  # the third waited for the room the first two held

@@ -177,9 +177,9 @@ def test_server_setup_names_the_flag_to_fix(surrogate, change, modes, flag):
 
 
 def test_tensor_parallelism_runs_in_every_mode_while_each_rank_holds_whole_kv_heads():
-    for mode in ALL:
-        assert good_setup(tp_size=2, kv_heads=2).problems(mode) == []
-        assert good_setup(tp_size=4, kv_heads=8).problems(mode) == []
+    for m in ALL:
+        assert good_setup(tp_size=2, kv_heads=2).problems(m) == []
+        assert good_setup(tp_size=4, kv_heads=8).problems(m) == []
 
 
 def test_ragged_mode_runs_the_radix_cache_with_its_own_tree_only():
