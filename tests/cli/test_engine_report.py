@@ -154,3 +154,21 @@ def test_tp_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert says in err and err.strip().count("\n") <= 1, err
+
+
+def test_bench_tp_size_reaches_every_launch(monkeypatch, capsys):
+    """bench --engine sglang --tp-size 2: the engine arguments every launch gets carry tp_size 2 (the launches are
+    recorded, not run)."""
+    import sys
+
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("kvzap_export.bench.sglang_stream.bench_sglang", fake)
+    with pytest.raises(SystemExit):
+        main(["bench", "--engine", "sglang", "--bundle", "b", "--model", "m", "--engine-python", sys.executable,
+              "--tp-size", "2", "--json"])
+    assert seen["engine"] == {"tp_size": 2}
