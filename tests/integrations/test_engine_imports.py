@@ -33,7 +33,7 @@ def _calls():
     return {
         "sglang.masking.native_backend_class": lambda: masking.native_backend_class(None),
         "sglang.masking.flex_backend_class": lambda: masking.flex_backend_class(None),
-        "sglang.ragged.backend_class": ragged.backend_class,
+        "sglang.ragged.backend_class": lambda: ragged.backend_class(ragged.RaggedParts()),
         "sglang.ragged_pool.placeholder_pool_class": ragged_pool.placeholder_pool_class,
         "sglang.server_setup.ServerSetup.of": lambda: server_setup.ServerSetup.of(None),
         "trtllm.install": lambda: trtllm.install("."),

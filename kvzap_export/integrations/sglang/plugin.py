@@ -64,6 +64,8 @@ def runtime() -> KVzapSGLang:
         rt = factory.from_bundle(cfg["bundle"], cfg["mode"], cfg["decoding"], size, rank, group, **cfg["policy"])
         if cfg.get("pruned_fraction") is not None:
             rt.pruned_fraction = cfg["pruned_fraction"]
+        if cfg.get("ragged_parts") is not None:  # what ragged mode's hooks and backend build (ragged_parts.py)
+            rt.parts = cfg["ragged_parts"]
         rt.stats = AllocatorReadings.from_env(rank, _dp_rank())
         _RUNTIME = rt
     return _RUNTIME
@@ -299,7 +301,7 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     else:
         from kvzap_export.integrations.sglang import ragged
 
-        ragged.register(register, kind, one_line)
+        _CONFIG["ragged_parts"] = ragged.register(register, kind, one_line)
         register(api("Scheduler.on_idle").target, _exact_at_idle_hook, kind.BEFORE)
         resolution = sglang_module(api("register_resolution_hook").module)
         resolution.register_resolution_hook("handle_cuda_graph_config")(prefill_graphs_default)

@@ -25,6 +25,7 @@ pass over the prompts that ended, one over the tokens that left the window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -37,23 +38,22 @@ from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.ragged_decode import ENV as ENV_DECODE
 from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_path, write_entries
-from kvzap_export.integrations.sglang.ragged_budget import current_plan
-from kvzap_export.integrations.sglang.ragged_pool import built_store, current_store
+from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_rows import Step, StoreRows, build_step
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
-_STEP: "Step | BufferedDecode | None" = None  # the forward running now (laid out by the backend, read by scoring)
 
 
 class RaggedKVzapSGLang(KVzapSGLang):
     """The runtime of the ragged mode: scores go to the store next to each entry; the step end decides for the
-    whole batch in the store."""
+    whole batch in the store. ``parts``: this process's store, budget plan and backend (``ragged_parts.py``)."""
 
-    def __init__(self, *args, pruned_fraction: float | None = None, **kwargs):
+    def __init__(self, *args, pruned_fraction: float | None = None, parts: RaggedParts | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.parts = parts if parts is not None else RaggedParts()
         self.choices: dict[int, str] = {}  # row -> "prefill" | "decoding" for the requests KVzap prunes
         self.pruned_fraction = pruned_fraction  # KVZAP_PRUNED_FRACTION: τ set from the first prompts' scores
         self.decided_on_device = False  # the last step end decided something (its frees may reach the host later)
@@ -62,12 +62,12 @@ class RaggedKVzapSGLang(KVzapSGLang):
     def score(self, layer: int, hidden_states: torch.Tensor, forward_batch) -> None:
         """Scores the forward's new tokens into the store, next to their entries (no slot-indexed buffer)."""
         check_hidden_states(hidden_states, f"layer {layer}")
-        step = _STEP
+        step = self.parts.forward_step()
         if step is None or step.new_ids.shape[-1] == 0:
             return
         ids = step.new_ids[layer].T  # [T, H]
         scores = self.scorer.score(layer, hidden_states.reshape(-1, hidden_states.shape[-1])[: ids.shape[0]])
-        store = current_store()
+        store = self.parts.built_store()
         store.scores.index_copy_(0, ids.reshape(-1), scores.reshape(-1).to(store.scores.dtype))
 
     def release(self, idx: int) -> None:
@@ -79,13 +79,12 @@ class RaggedKVzapSGLang(KVzapSGLang):
         window. Per request only host bookkeeping (its setting, its phase); the decisions are two batched calls."""
         mode = batch.forward_mode
         extend, decode = mode.is_extend(), mode.is_decode()
-        global _STEP
         self.forget_finished()
         self.decided_on_device = False
-        step, _STEP = _STEP, None
+        step = self.parts.take_step()
         if not (extend or decode) or not batch.reqs:
             return
-        store = current_store()
+        store = self.parts.built_store()
         shared = isinstance(store, SharedRaggedStore)
         if shared and extend and isinstance(step, Step):  # before any decision: the prompt tokens' full entries
             skip = {r.kv.req_pool_idx for r in batch.reqs if r.skip_radix_cache_insert}  # never in the tree
@@ -132,7 +131,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         self.pruned_fraction = None
 
     def pool_readings(self, idx: int | None) -> dict:
-        store = built_store()
+        store = self.parts.store
         if store is None:
             return {}
         if idx is None:  # read from the free list (radix cache on: entries only its tree holds counted apart)
@@ -145,7 +144,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
             if shared:
                 out.update(head_slots_cached=cached, cache_reclaims=store.reclaims, cache_nodes_reclaimed=store.reclaimed_nodes,
                            cache_prompts_dropped=store.dropped_prompts, cache_holds=store.held_requests)
-            budget = current_plan()
+            budget = self.parts.plan
             if budget is not None:  # SGLang's KV budget beside what the pool sized within it allocated
                 out["kv_budget"] = budget.against(store.nbytes(), store.capacity)
             return out
@@ -153,21 +152,22 @@ class RaggedKVzapSGLang(KVzapSGLang):
 
     def extra_bytes(self) -> dict:
         """The per-head pool: K, V, scores, row tables, free list (no slot-indexed score buffer in this mode)."""
-        store = built_store()
+        store = self.parts.store
         return {} if store is None else {f"ragged_{name}": size for name, size in store.nbytes().items()}
 
     def decided(self, idx: int) -> dict:
         """What the decisions left in row ``idx``: the lengths of its row table (``pool_readings`` reads the pool's
         free list, a separate count)."""
-        store = built_store()
+        store = self.parts.store
         if store is None or idx not in self.choices:
             return {}
         return {"decoding": self.choices[idx] == "decoding", "logical_length": store.logical.get(idx, 0),
                 "decided_entries": store.row_held(idx)}
 
 
-def backend_class():
-    """SGLang's ``torch_native`` backend with K/V in the store and attention per head, one call per layer."""
+def backend_class(parts: RaggedParts):
+    """SGLang's ``torch_native`` backend with K/V in the store and attention per head, one call per layer. Each
+    instance reads the store from ``parts`` and enters itself there (the runtime takes the forward's step from it)."""
     base = sglang_module("sglang.srt.layers.attention.torch_native_backend").TorchNativeAttnBackend
 
     class KVzapRaggedAttnBackend(base):
@@ -175,14 +175,16 @@ def backend_class():
             super().__init__(model_runner)
             allocator = model_runner.token_to_kv_pool_allocator
             try:
-                self.store = current_store()
+                self.store = parts.built_store()
             except ConfigError as exc:
                 raise SystemExit(f"kvzap-export: {exc}") from None
+            self.parts = parts
             requests = model_runner.req_to_token_pool
             if requests._aux_cache is None:
                 requests.attach_aux_cache(StoreRows(self.store, allocator.dense_tokens, requests.req_to_token))
             self.rows = requests._aux_cache
-            self.step: Step | BufferedDecode | None = None
+            self.step: Step | BufferedDecode | None = None  # the forward's layout: what its attention reads
+            self._untaken: Step | BufferedDecode | None = None  # the same, until the step end takes it
             self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
             try:
                 self.decode_path = decode_path(self.store.device)
@@ -191,6 +193,19 @@ def backend_class():
             self.max_requests = int(requests.size)
             self.group = int(model_runner.model_config.num_attention_heads) // self.store.num_kv_heads  # TP 1 here
             self.decode_buffers: DecodeBuffers | None = None  # the flattened path's, made at the first need
+            parts.backend = self
+
+        def _lay_out(self, step: "Step | BufferedDecode | None") -> None:
+            self.step = self._untaken = step
+
+        def forward_step(self) -> "Step | BufferedDecode | None":
+            """The step laid out for the forward running now, until the step end takes it (the scoring hook)."""
+            return self._untaken
+
+        def take_step(self) -> "Step | BufferedDecode | None":
+            """The step of the forward that just ran, once (the step end); the forward keeps its own ``step``."""
+            step, self._untaken = self._untaken, None
+            return step
 
         def _buffers(self, graph_batch: int = 0) -> DecodeBuffers:
             """The decode buffers, made at the first need for SGLang's request rows; their partial results sized for
@@ -210,7 +225,7 @@ def backend_class():
                          "requests", self.decode_buffers.nbytes() / 2**20, self.decode_buffers.max_batch)
                 indices = self.decode_buffers.flat.kv_indices
                 built = self.decode_buffers.nbytes() - indices.numel() * indices.element_size()
-                budget = current_plan()
+                budget = self.parts.plan
                 planned = budget.fixed.get("decode_buffers", 0) if budget is not None else built
                 if built > planned:
                     log.warning("KVzap ragged mode: the decode step buffers take %.1f MB, %.1f MB more than SGLang's KV "
@@ -230,7 +245,6 @@ def backend_class():
         @counted("forward")
         def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
             """Before a decode graph's capture (a batch of padding) or replay (the step's requests, padded)."""
-            global _STEP
             mode = forward_batch.forward_mode
             if not mode.is_decode():
                 raise SystemExit(f"kvzap-export: KVzap ragged mode runs plain decode in CUDA graphs only, SGLang asked "
@@ -242,25 +256,24 @@ def backend_class():
                 raise RuntimeError("KVzap ragged mode: the per-step decode layout cannot be captured in a graph")
             buffers = self._buffers()
             if in_capture:
-                self.step = _STEP = buffers.capture_layout(forward_batch.batch_size)
+                self._lay_out(buffers.capture_layout(forward_batch.batch_size))
                 return
             rows, _, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()], padded=True)
-            self.step = _STEP = buffers.layout(rows, new_ids, forward_batch.batch_size)
+            self._lay_out(buffers.layout(rows, new_ids, forward_batch.batch_size))
             self.store.graph_replays += 1  # the readings' count of decode steps that replay a CUDA graph
 
         @counted("forward")
         def init_forward_metadata(self, forward_batch):
             super().init_forward_metadata(forward_batch)
             mode = forward_batch.forward_mode
-            global _STEP
             if not (mode.is_extend() or mode.is_decode()):
-                self.step = _STEP = None
+                self._lay_out(None)
                 return
             rows, counts, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()])
             if mode.is_decode() and self.decode_path == "flattened":
-                self.step = _STEP = self._buffers().layout(rows, new_ids)
+                self._lay_out(self._buffers().layout(rows, new_ids))
                 return
-            self.step = _STEP = build_step(self.store, rows, counts, new_ids, mode.is_extend())
+            self._lay_out(build_step(self.store, rows, counts, new_ids, mode.is_extend()))
             if mode.is_decode() and not (self.store.device.type == "cuda" and _triton_decode()):
                 need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
                 if need > self.workspace.numel():  # one buffer for every layer's key gather (the torch path)
@@ -322,22 +335,25 @@ def _triton_decode() -> bool:
     return triton_ragged_attention.triton is not None
 
 
-def register(register_hook, kind, one_line) -> None:
+def register(register_hook, kind, one_line) -> RaggedParts:
     """Registers the pool and allocator hooks and the ``kvzap_ragged`` backend in this process (``one_line``: the
-    plugin's wrapper that turns a ``KvzapError`` into a one-line exit)."""
+    plugin's wrapper that turns a ``KvzapError`` into a one-line exit). Returns the process's ``RaggedParts``, which
+    those hooks and the backend fill (the plugin hands it to the runtime)."""
     from kvzap_export.integrations.sglang import ragged_budget, ragged_pool, ragged_radix
 
     registry = sglang_module("sglang.srt.layers.attention.attention_registry")
     choices = sglang_module("sglang.srt.arg_groups.choices")
+    parts = RaggedParts()
     register_hook(api("SRTPlatform.get_kv_pool_cls").target, ragged_pool.pool_class_hook, kind.AROUND)
     register_hook(api("KVCacheConfigurator._build_token_to_kv_pool_allocator").target,
-                  one_line(ragged_pool.allocator_hook), kind.AROUND)
-    register_hook(api("KVCacheConfigurator.config_from_budget").target, one_line(ragged_budget.budget_hook),
-                  kind.AROUND)
+                  one_line(functools.partial(ragged_pool.allocator_hook, parts)), kind.AROUND)
+    register_hook(api("KVCacheConfigurator.config_from_budget").target,
+                  one_line(functools.partial(ragged_budget.budget_hook, parts)), kind.AROUND)
     register_hook(api("BeamCoordinator.validate_and_init").target, ragged_pool.beam_hook, kind.AROUND)
     register_hook(api("create_tree_cache").target, one_line(ragged_radix.tree_cache_hook), kind.AROUND)
     register_hook(api("alloc_for_extend").target, ragged_radix.extend_prefixes_hook, kind.BEFORE)
     register_hook(api("Scheduler.get_new_batch_prefill").target, ragged_radix.prefill_hold_hook, kind.AROUND)
-    backend = backend_class()
+    backend = backend_class(parts)
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])
+    return parts

@@ -40,7 +40,6 @@ import torch
 from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.sglang.api import sglang_module
 
-_PLAN: "BudgetPlan | None" = None  # this process's, set when SGLang sizes its pool
 TABLE_COLUMNS = 2  # row-table columns reserved per entry (module docstring)
 SLOT_RECORDS = 2  # logical slots' records reserved per dense token, radix cache on (module docstring)
 SLOT_RECORD_BYTES = SLOT_RECORDS * (4 + 1)  # per entry: SLOT_RECORDS slots' int32 entry id (+ at most a byte of mark)
@@ -99,14 +98,10 @@ def plan(budget_bytes: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, 
     return BudgetPlan(int(budget_bytes), (head_dim + v_head_dim) * size, extras)
 
 
-def current_plan() -> BudgetPlan | None:
-    return _PLAN
-
-
-def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
-    """AROUND ``KVCacheConfigurator.config_from_budget``: SGLang sizes the pool with the budget less the entries'
-    bookkeeping (module docstring)."""
-    global _PLAN
+def budget_hook(parts, original_fn, configurator, budget_bytes, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator.config_from_budget`` (bound to this process's ``RaggedParts`` by
+    ``ragged.register``): SGLang sizes the pool with the budget less the entries' bookkeeping (module docstring); the
+    plan is ``parts.plan``."""
     from kvzap_export.integrations.sglang.ragged_decode import decode_path
     from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 
@@ -116,9 +111,9 @@ def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
     model = configurator.model_config
     device = torch.device(configurator.device)
     flattened = decode_path(device) == "flattened"
-    _PLAN = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype, flattened,
-                 shares_prefixes())
-    config = original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
+    parts.plan = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
+                      flattened, shares_prefixes())
+    config = original_fn(configurator, parts.plan.dense_budget(), *args, **kwargs)
     if not flattened:
         return config
     # The flattened decode path's step buffers, sized by the request rows and the largest decode graph (the backend's
@@ -127,8 +122,8 @@ def budget_hook(original_fn, configurator, budget_bytes, *args, **kwargs):
     requests = int(configurator.resolve_max_num_reqs(int(config.max_total_num_tokens)))  # at most this many after
     fixed = decode_buffer_bytes(model, configurator.kv_cache_dtype, requests, graph_batch(requests))
     if fixed:
-        _PLAN = dataclasses.replace(_PLAN, fixed={"decode_buffers": fixed})
-        config = original_fn(configurator, _PLAN.dense_budget(), *args, **kwargs)
+        parts.plan = dataclasses.replace(parts.plan, fixed={"decode_buffers": fixed})
+        config = original_fn(configurator, parts.plan.dense_budget(), *args, **kwargs)
     return config
 
 

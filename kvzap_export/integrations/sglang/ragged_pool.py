@@ -1,6 +1,6 @@
 """Ragged mode's KV pool in SGLang: a placeholder pool with no dense K/V, an allocator counted in the per-head store's
-free entries, and the store itself (this process's one ``RaggedStore``), built through SGLang's extension points
-(``ragged.py``'s docstring lists them; ``ragged.register`` installs these hooks)."""
+free entries, and the store itself (this process's one ``RaggedStore``, handed to ``RaggedParts``), built through
+SGLang's extension points (``ragged.py``'s docstring lists them; ``ragged.register`` installs these hooks)."""
 
 from __future__ import annotations
 
@@ -13,26 +13,13 @@ from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.rank_room import RankRoom
 from kvzap_export.integrations.sglang.api import sglang_module
-from kvzap_export.integrations.sglang.ragged_budget import current_plan
+from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 
 log = logging.getLogger(__name__)
 
 INITIAL_WIDTH = 256  # row-table columns to start with (grown by a quarter on demand, up to the longest row held)
 INITIAL_ROWS = 16  # row tables to start with (grown by a quarter on demand, up to the requests held at once)
-_STORE: RaggedStore | None = None  # this process's store, made with SGLang's allocator
-
-
-def current_store() -> RaggedStore:
-    if _STORE is None:
-        raise ConfigError("the ragged KV store does not exist in this process: SGLang's pool was not built through "
-                          "the ragged mode's hooks (is KVZAP_MODE=ragged set in every SGLang process?)")
-    return _STORE
-
-
-def built_store() -> RaggedStore | None:
-    """This process's store, or None before SGLang built its pool (readings taken that early have nothing to read)."""
-    return _STORE
 
 
 def placeholder_pool_class():
@@ -161,8 +148,9 @@ def beam_hook(original_fn, coordinator, req, *args, **kwargs):
             "per-head store does not follow; use KVZAP_MODE=mask or evict for beam requests")
 
 
-def allocator_hook(original_fn, configurator, *args, **kwargs):
-    global _STORE
+def allocator_hook(parts: RaggedParts, original_fn, configurator, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (bound to ``parts`` by ``ragged.register``):
+    the store, sized from SGLang's token count, and the allocator that owns it; ``parts.store`` is set."""
     pool = kwargs.get("token_to_kv_pool")
     if pool is None or not type(pool).__name__ == "KVzapRaggedPlaceholderPool":
         raise ConfigError("KVzap ragged mode: SGLang built a KV pool other than the ragged placeholder (this model's "
@@ -181,8 +169,8 @@ def allocator_hook(original_fn, configurator, *args, **kwargs):
         store.ranks = RankRoom(group, start=tokens)
         store.ranks.agree(tokens, tokens)
     pool.mem_usage = sum(store.nbytes().values()) / (1 << 30)
-    _STORE = store
-    budget = current_plan()
+    parts.store = store
+    budget = parts.plan
     if budget is None:  # SGLang sized the pool without its budget path (a caller's fixed pool config)
         log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads), %.3f GB with "
                  "scores and row tables; SGLang's pool was not sized from a KV budget",

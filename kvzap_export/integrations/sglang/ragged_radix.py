@@ -33,9 +33,6 @@ from kvzap_export.integrations.sglang.api import sglang_module
 
 log = logging.getLogger(__name__)
 
-_CLASS = None
-
-
 # Settings that ask SGLang for another tree or for what only its unified tree implements: with any of them the
 # AROUND hook leaves SGLang's choice (and its own checks) alone, and the launch check refuses it in one line.
 OTHER_TREES = ("radix_cache_backend", "enable_hierarchical_cache", "enable_lmcache", "enable_flexkv",
@@ -51,9 +48,7 @@ def shares_prefixes() -> bool:
 
 
 def radix_cache_class():
-    global _CLASS
-    if _CLASS is not None:
-        return _CLASS
+    """KVzap's tree class over SGLang's ``RadixCache`` (built at each call: SGLang builds one tree per process)."""
     base = sglang_module("sglang.srt.mem_cache.radix_cache").RadixCache
     evict_params = sglang_module("sglang.srt.mem_cache.base_prefix_cache").EvictParams
 
@@ -65,6 +60,8 @@ def radix_cache_class():
             self._in_checkpoint = False
             self._lock_paths: dict[int, list] = {}  # admission lock -> its path's nodes (since pending's last clear)
             self._admitted: dict = {}  # node -> admission locks on it (since pending's last clear)
+            # rids of waiting requests held back once already (``prefill_hold_hook``: once per stay in the queue)
+            self.held_rids: set = set()
             super().__init__(params)
             allocator = params.token_to_kv_pool_allocator
             store = getattr(allocator, "store", None)
@@ -258,8 +255,7 @@ def radix_cache_class():
                 del parent.children[node.key.child_key(self.page_size)]
                 self._update_leaf_status(parent)
 
-    _CLASS = KVzapRaggedRadixCache
-    return _CLASS
+    return KVzapRaggedRadixCache
 
 
 def tree_cache_hook(original_fn, ctx, *args, **kwargs):
@@ -273,7 +269,6 @@ def tree_cache_hook(original_fn, ctx, *args, **kwargs):
 # tokens into the tree: the number SGLang's cache-aware policies use by default to deprioritize a waiting request that
 # shares a prefix with another (``IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD``, ``schedule_policy.py``). Not tuned.
 HOLD_MIN_TOKENS = 32
-_HELD: set = set()  # rids of waiting requests held once already (a request is held once per stay in the queue)
 
 
 def _leading(ids, n: int) -> bytes:
@@ -332,21 +327,22 @@ def prefill_hold_hook(original_fn, scheduler, running_batch, *args, **kwargs):
     def formation():
         return original_fn(scheduler, running_batch, *args, **kwargs)
 
-    if not getattr(scheduler, "enable_overlap", False) or not isinstance(scheduler.tree_cache, radix_cache_class()):
+    held = getattr(scheduler.tree_cache, "held_rids", None)  # KVzap's tree (the only one that holds requests back)
+    if not getattr(scheduler, "enable_overlap", False) or held is None:
         return formation()
     waiting = scheduler.waiting_queue
-    if _HELD:
-        _HELD.intersection_update(r.rid for r in waiting)
+    if held:
+        held.intersection_update(r.rid for r in waiting)
     room = scheduler.max_running_requests - len(running_batch.reqs)
     if (scheduler.max_queued_requests is not None or scheduler.enable_priority_preemption or not scheduler.result_queue
             or room <= 0 or (running_batch.batch_is_full and not running_batch.is_empty())  # SGLang admits none
             or scheduler.grammar_manager.has_waiting_grammars()):
         return formation()
     in_flight = [q for batch, _ in scheduler.result_queue if batch.forward_mode.is_extend() for q in batch.reqs]
-    at = first_to_hold(waiting[:room], in_flight, _HELD)
+    at = first_to_hold(waiting[:room], in_flight, held)
     if at is None:
         return formation()
-    _HELD.add(waiting[at].rid)
+    held.add(waiting[at].rid)
     scheduler.tree_cache.store.held_requests += 1
     hidden = waiting[at:]
     scheduler.waiting_queue = waiting[:at]

@@ -17,6 +17,7 @@ import torch
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.sglang import ragged_budget, ragged_radix
 from kvzap_export.integrations.sglang.ragged_budget import budget_hook, plan
+from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 
 LAYERS, HEADS, DIM = 3, 2, 16
 
@@ -73,7 +74,7 @@ def _configurator(requests: int = 6):
 
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     monkeypatch.delenv("KVZAP_RAGGED_DECODE", raising=False)
-    monkeypatch.setattr(ragged_budget, "_PLAN", None)  # this process's plan: set by the hook, restored after
+    parts = RaggedParts()  # this process's pieces: the hook sets the plan there
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: False)  # SGLang's radix cache off
     monkeypatch.setattr(ragged_budget, "graph_batch", lambda requests: 4)  # SGLang's decode graphs up to batch 4
     configurator = _configurator()
@@ -83,18 +84,18 @@ def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
         seen.append((conf, budget_bytes, cap_tokens))
         return SimpleNamespace(max_total_num_tokens=budget_bytes // (LAYERS * HEADS * 2 * DIM * 4))
 
-    budget_hook(original, configurator, 1_000_000)
-    p = ragged_budget.current_plan()
+    budget_hook(parts, original, configurator, 1_000_000)
+    p = parts.plan
     assert p.budget == 1_000_000 and "decode_indices" not in p.extras and not p.fixed  # the CPU's torch decode path
     assert seen == [(configurator, p.dense_budget(), None)] and p.dense_budget() < 1_000_000
     monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")  # the flattened path: kv_indices and the step buffers
-    budget_hook(original, configurator, 1_000_000)
-    flat = ragged_budget.current_plan()
+    budget_hook(parts, original, configurator, 1_000_000)
+    flat = parts.plan
     assert flat.extras["decode_indices"] == 8 and flat.fixed["decode_buffers"] > 0
     assert seen[-1][1] == flat.dense_budget() < seen[-2][1] < p.dense_budget()  # sized again, the buffers set aside
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: True)  # radix on: reference counts and slot records
-    budget_hook(original, configurator, 1_000_000)
-    shared = ragged_budget.current_plan()
+    budget_hook(parts, original, configurator, 1_000_000)
+    shared = parts.plan
     assert shared.extras["sharing"] == 5 and shared.extras["slot_records"] == ragged_budget.SLOT_RECORD_BYTES
     assert seen[-1][1] < seen[-3][1]
 
@@ -162,9 +163,9 @@ def test_one_long_request_beside_many_short_ones_stays_inside_the_budget(caplog,
 def test_sglangs_post_capture_resize_is_refused_in_one_line(monkeypatch):
     from kvzap_export.errors import ConfigError
 
-    monkeypatch.setattr(ragged_budget, "_PLAN", None)
+    parts = RaggedParts()
     configurator = SimpleNamespace(model_config=SimpleNamespace(head_dim=DIM, v_head_dim=DIM), device="cpu",
                                    kv_cache_dtype=torch.float32)
     with pytest.raises(ConfigError, match="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"):
-        budget_hook(lambda *a, **k: "config", configurator, 1_000_000, cap_tokens=500)
-    assert ragged_budget.current_plan() is None
+        budget_hook(parts, lambda *a, **k: "config", configurator, 1_000_000, cap_tokens=500)
+    assert parts.plan is None

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvzap_export.integrations.sglang import ragged_radix
 from kvzap_export.integrations.sglang.ragged_radix import first_to_hold, prefill_hold_hook
 
 SYSTEM = list(range(1000, 1100))  # a 100-token shared prefix
@@ -79,10 +78,11 @@ def test_a_request_qualifies_only_for_what_sglang_would_match_under_its_key_and_
 
 
 class Tree:
-    """Stands in for KVzap's tree class (the hook acts only with it)."""
+    """Stands in for KVzap's tree (the hook acts only with a tree that holds requests back: ``held_rids``)."""
 
     def __init__(self):
         self.store = SimpleNamespace(held_requests=0)
+        self.held_rids: set = set()
 
 
 def scheduler(queue, batches, overlap=True, tree=None, max_queued=None, max_running=8, preemption=False,
@@ -99,14 +99,6 @@ def extend_batch(*reqs, extend=True):
 
 def running(n: int = 0, full: bool = False):
     return SimpleNamespace(reqs=[object()] * n, batch_is_full=full, is_empty=lambda: n == 0)
-
-
-@pytest.fixture(autouse=True)
-def tree_class(monkeypatch):
-    monkeypatch.setattr(ragged_radix, "radix_cache_class", lambda: Tree)
-    ragged_radix._HELD.clear()
-    yield
-    ragged_radix._HELD.clear()
 
 
 def test_the_formation_sees_only_the_requests_ahead_of_the_held_one_and_the_queue_keeps_its_order():
@@ -160,9 +152,9 @@ def test_only_as_many_waiting_requests_as_the_formation_could_admit_are_looked_a
     sched = scheduler(queue, [batch], max_running=8)
     seen = []
     prefill_hold_hook(lambda s, running_batch: seen.append(len(s.waiting_queue)), sched, running(5))  # room for 3
-    assert seen == [4] and not ragged_radix._HELD
+    assert seen == [4] and not sched.tree_cache.held_rids
     prefill_hold_hook(lambda s, running_batch: seen.append(len(s.waiting_queue)), sched, running(4))  # room for 4
-    assert seen[-1] == 3 and ragged_radix._HELD == {"far"}
+    assert seen[-1] == 3 and sched.tree_cache.held_rids == {"far"}
 
 
 @pytest.mark.parametrize("case", ["overlap off", "another tree", "decode in flight", "nothing in flight",
@@ -178,7 +170,7 @@ def test_the_hook_leaves_the_queue_alone_unless_an_in_flight_prefill_can_help_an
     seen = []
     prefill_hold_hook(lambda s, running_batch: seen.append(list(s.waiting_queue)), sched,
                       running(2, full=case == "batch full"))
-    assert seen == [[a]] and sched.waiting_queue == [a] and not ragged_radix._HELD
+    assert seen == [[a]] and sched.waiting_queue == [a] and not getattr(sched.tree_cache, "held_rids", None)
 
 
 def test_a_full_batch_that_sglang_reopens_still_gets_the_hold():
