@@ -22,15 +22,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 ENV = "KVZAP_COUNT_HOST_READS"
-_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-          torch.Tensor.__index__, torch.Tensor.numpy}
+_READS = frozenset({torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+                    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy})
 # Calls whose result's size depends on the values: the host waits for the device to learn it (a read on a GPU).
-_SIZED_BY_VALUES = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.unique,
-                    torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.masked_select,
-                    torch.Tensor.masked_select, torch.bincount, torch.Tensor.bincount}
+_SIZED_BY_VALUES = frozenset({torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.unique,
+                              torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive,
+                              torch.masked_select, torch.Tensor.masked_select, torch.bincount, torch.Tensor.bincount})
 # Indexing calls that sync when an index is a boolean mask (it is turned into the positions it selects).
-_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put,
-             torch.index_put}
+_INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+                       torch.Tensor.index_put, torch.index_put})
 
 
 def _bool_index(index) -> bool:
@@ -143,7 +143,9 @@ class StepCounts:
 
 @functools.cache
 def tallies() -> StepCounts | None:
-    """The process's tallies when ``KVZAP_COUNT_HOST_READS=1``, else None (read once)."""
+    """The process's tallies when ``KVZAP_COUNT_HOST_READS=1``, else None (read once). A process-wide singleton, forced
+    by the engines' hook contract: ``counted`` wraps methods the engine reaches through plain-function hooks, with no
+    object of ours in between; the step-end hook takes the tally."""
     return StepCounts() if os.environ.get(ENV) == "1" else None
 
 

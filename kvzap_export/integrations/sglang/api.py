@@ -7,6 +7,7 @@ tests/integrations/sglang/test_api.py checks each entry against the real ``sglan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvzap_export.integrations._lazy import import_engine
 
@@ -335,7 +336,7 @@ SGLANG_API: tuple[ApiName, ...] = (
 AUX_CACHE_PROTOCOL = ("alloc_to_lengths(", "req_pool_indices_cpu=", "target_seq_lens_cpu=", ".free(", ".clear()",
                       ".reset_allocator()", ".dense_capacity")
 
-_API = {api.qualname: api for api in SGLANG_API}
+_API = MappingProxyType({api.qualname: api for api in SGLANG_API})
 # The attention classes whose forward the scoring hook wraps (add yours: same (positions, hidden_states,
 # forward_batch) signature and an ``attn`` RadixAttention).
 SCORED_ATTENTION = ("LlamaAttention.forward", "Qwen3Attention.forward")

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 # The settings every mode needs on any machine (docs/integrations.md); the CPU needs the torch_native family.
 # Chunked prefill stays at SGLang's own default size (a prompt is decided at its last chunk, as kvpress decides it
@@ -45,14 +46,16 @@ from pathlib import Path
 # SGLang's overlap scheduler on, its default (KVzap's step end runs before the next batch is prepared: plugin.py).
 # CUDA graphs: SGLang's defaults, except in the masking modes (NO_GRAPH_MODES), whose Python hooks graph replay
 # would skip; ragged mode replays decode graphs and turns SGLang's default prefill graphs off itself (plugin.py).
-BASE_ENGINE_ARGS = {
+BASE_ENGINE_ARGS = MappingProxyType({
     "disable_radix_cache": True, "page_size": 1, "log_level": "warning", "skip_server_warmup": True,
-}
+})
 NO_GRAPH_MODES = ("evict", "mask")
-NO_GRAPHS = {"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}
+NO_GRAPHS = MappingProxyType({"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"})
 RADIX_MODES = ("ragged",)  # the modes that run with SGLang's radix cache on (the others need it off)
-MODE_ATTENTION = {"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged", "dense": "torch_native"}
-GPU_ATTENTION = {"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"}  # dense: SGLang's default
+MODE_ATTENTION = MappingProxyType({"evict": "kvzap_native", "mask": "kvzap_native", "ragged": "kvzap_ragged",
+                                   "dense": "torch_native"})
+# dense: SGLang's default
+GPU_ATTENTION = MappingProxyType({"evict": "kvzap_flex", "mask": "kvzap_flex", "ragged": "kvzap_ragged"})
 
 
 def engine_args(spec: dict) -> dict:
@@ -133,7 +136,7 @@ def _last_reading(path: Path, rid: str) -> dict | None:
 
 
 # The model modules SGLang needs for the architectures KVzap's glue scores (api.SCORED_ATTENTION).
-SCORED_MODULES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SCORED_MODULES = MappingProxyType({"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"})
 
 
 def skip_other_models(model: str) -> None:

@@ -43,6 +43,10 @@ from kvzap_export.integrations.sglang.settings import (check_sglang_version, evi
 
 log = logging.getLogger(__name__)
 
+# Process-wide singletons, forced by SGLang's plugin contract: SGLang calls ``load_plugin`` once in each of its
+# processes and every hook as a plain function with SGLang's own arguments, so what ``install`` read (``_CONFIG``, with
+# ragged mode's ``RaggedParts``) and the runtime built from it at the first hook call (``_RUNTIME``) can only be
+# reached from here. Everything else a hook needs hangs off the runtime (tests/integrations/test_module_state.py).
 _CONFIG: dict | None = None
 _RUNTIME: KVzapSGLang | None = None
 
@@ -219,7 +223,8 @@ def _idle_hook(result, scheduler, *args, **kwargs):
 
 @functools.cache
 def _readings_only():
-    """This process's readings without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use."""
+    """This process's readings without KVzap (KVZAP_STATS set, KVZAP_BUNDLE not), made at first use: a process-wide
+    singleton for the reason ``_RUNTIME`` is one (the dense hooks have no runtime to hang it on)."""
     from kvzap_export.integrations.sglang.stats import AllocatorReadings
 
     group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))

@@ -13,7 +13,10 @@ INSTALL = ("TensorRT-LLM on a CUDA machine, from NVIDIA's index: pip install ten
 ALGORITHM = "kvzap"
 
 # Set by install() / install_sparse_kv(): "scorer", "mapping", "world" (tensor-parallel size), "evicts" (entries
-# leave the cache physically, so RoPE must come from position_ids), "config_class" (built once).
+# leave the cache physically, so RoPE must come from position_ids), "config_class" (built once). A process-wide
+# singleton, forced by TensorRT-LLM's contract: TensorRT-LLM builds the compression manager and the attention modules
+# itself (from an algorithm name, through the factories ``install`` patches), so what ``install`` set up can only be
+# reached from here.
 STATE: dict = {}
 
 
