@@ -13,7 +13,8 @@ Sections (each in try/except: an error is recorded in the JSON and the next sect
   baseline. SDPA over the kept length (the ideal). Ragged (lengths within +-25% of the mean, entries shuffled in one
   pool): the engine's path (``StepAttention``: ``FlattenedStep``'s layout of the layer, then SGLang's kernel; the
   default row, with the kernel alone beside it), ``FlattenedDecode`` (torch-op layout per call; split settings swept
-  at a few rows), our first Triton kernel at a few rows (eager, few repetitions);
+  at a few rows), our first Triton kernel at a few rows (eager, few repetitions). The last two run nowhere else:
+  they live beside this benchmark (``kvzap_export/bench/flattened_decode.py``, ``triton_ragged_attention.py``);
 - layer: one decoder layer's decode step (``kvzap_export/bench/ragged_step.py``), dense (each dense attention; the
   fastest is the baseline) vs ragged (K/V and score writes, layout, SGLang's kernel, decision and free-stack
   kernels), each in one CUDA graph; eager too;
@@ -98,7 +99,7 @@ def graphed(fn):
 
 class Bench:
     def __init__(self, args, kernels):
-        from kvzap_export.kernels.flattened_attention import FlattenedDecode
+        from kvzap_export.bench.flattened_decode import FlattenedDecode
 
         self.args, self.kernels, self.FlattenedDecode = args, kernels, FlattenedDecode
         self.device_name = device_name()
@@ -145,7 +146,7 @@ class Bench:
     # -- exactness ---------------------------------------------------------------------------------------------
     def exactness(self):
         from kvzap_export.kernels.ragged_attention import ragged_decode_attention
-        from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
+        from kvzap_export.bench.triton_ragged_attention import ragged_decode_attention_triton
 
         g = torch.Generator(device=model.DEVICE).manual_seed(1)
         batch, seq, pruned = EXACT_CASE
@@ -171,7 +172,7 @@ class Bench:
 
     # -- attention ---------------------------------------------------------------------------------------------
     def attention(self):
-        from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
+        from kvzap_export.bench.triton_ragged_attention import ragged_decode_attention_triton
 
         scale = 1 / math.sqrt(model.HEAD_DIM)
         for batch, seq in sorted({(b, t) for b, t, _ in ATTENTION_GRID}):

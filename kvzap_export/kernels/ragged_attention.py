@@ -13,9 +13,9 @@ device back.
   longest one reads entries nobody attends to (4,096-token prompts: 1.38x the entries held); ``row_groups`` then
   splits the rows, sorted by length, into a few groups padded each to its own longest row, one call per group,
   chosen by a cost model from the host lengths (one call costs about as much as gathering ``CALL_ENTRIES``
-  entries on this path). On CUDA tensors SGLang's own Triton decode kernel over the flattened rows
-  (``flattened_attention``) where SGLang's kernel file is found (``sglang_kernels``), else our Triton kernel
-  (``triton_ragged_attention``); both read keys and values in place, one launch per layer.
+  entries on this path). Torch ops on every device: the engine's decode on CUDA runs SGLang's kernel over buffers
+  laid out before the forward instead (``flattened_step``); this path serves the CPU, the masking modes (a
+  ``visible`` mask) and ragged mode's ``KVZAP_RAGGED_DECODE_KERNEL=torch``.
 - ``causal_extend_attention``: the prompts of an extend batch when nothing is cached before them (a fresh
   prompt is dense: KVzap decides after the prefill forward): causal attention over the new K/V themselves, no
   gather, one call (``is_causal`` when the prompts have one length, else a padding mask).
@@ -23,7 +23,7 @@ device back.
   first): each head's held prefix entries, gathered, then the new tokens causally; one call.
 
 A head with no entry gives zeros. ``ragged_decode_attention`` is the plain float32 formula of the decode
-case, written independently of the fast path (the reference the Triton kernel is tested against).
+case, written independently of the fast path (the reference every decode kernel is tested against).
 """
 
 from __future__ import annotations
@@ -49,21 +49,6 @@ def ragged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: tor
     scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: softmax is NaN -> 0
     return (weights @ values).reshape(B, Hq, -1).to(q.dtype)
-
-
-def decode_kernel(device_type: str, masked: bool = False) -> str:
-    """Which path ``decode_attention`` takes: ``"sglang-flattened"`` (CUDA, SGLang's decode kernel found: installed
-    or in $KVZAP_SGLANG_KERNELS), ``"triton"`` (CUDA otherwise, where triton imports), ``"torch"`` (any other device,
-    or ``masked``: a ``visible`` mask, which only the torch path takes)."""
-    if device_type != "cuda" or masked:
-        return "torch"
-    from kvzap_export.kernels import sglang_kernels
-
-    if sglang_kernels.available():
-        return "sglang-flattened"
-    from kvzap_export.kernels import triton_ragged_attention  # imports triton: only where it can run
-
-    return "triton" if triton_ragged_attention.triton is not None else "torch"
 
 
 CALL_ENTRIES = 2048  # one padded call's fixed cost on the CPU, in entries gathered (measured: ~170 us, ~80 ns/entry)
@@ -113,20 +98,10 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     any valid id); lengths int [B, kv_heads]. Returns [B, q_heads, Dv] in q's dtype. ``workspace``: a flat tensor of
     the stores' dtype the key gather may reuse (at least B * kv_heads * W * D elements; a fresh allocation of
     that size costs page faults at every layer). ``visible``: bool [B, kv_heads, W], entries attention may see
-    besides the length (the masking modes: SGLang's slots hold entries kvpress evicted); torch path only.
+    besides the length (the masking modes: SGLang's slots hold entries kvpress evicted).
     ``groups``: ``layer_groups``' split: groups of rows (b * kv_heads + h, an int64 tensor on q's device) that
-    partition all B * kv_heads rows, each with a width at least its rows' lengths; torch path only (the other paths
-    do not pad)."""
+    partition all B * kv_heads rows, each with a width at least its rows' lengths."""
     group = query_group(q, k_store, v_store, ids)
-    kernel = decode_kernel(q.device.type, visible is not None)
-    if kernel == "sglang-flattened":
-        from kvzap_export.kernels.flattened_attention import flattened_decode_attention
-
-        return flattened_decode_attention(q, k_store, v_store, ids, lengths, scale)
-    if kernel == "triton":
-        from kvzap_export.kernels import triton_ragged_attention
-
-        return triton_ragged_attention.ragged_decode_attention_triton(q, k_store, v_store, ids, lengths, scale)
     B, Hq, D = q.shape
     H, W = ids.shape[1], ids.shape[2]
     if W == 0:

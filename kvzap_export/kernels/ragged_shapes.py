@@ -1,6 +1,7 @@
-"""The shape contract every ragged attention path checks (the torch paths of ``ragged_attention`` and the Triton
-kernel of ``triton_ragged_attention``): queries [tokens, q_heads, D], one-head entry stores [E, D] and [E, Dv],
-entry ids [..., kv_heads, n]. Kept apart so that both modules import it and neither imports the other for it."""
+"""The shape contract every ragged attention path checks (the torch paths of ``ragged_attention``, and the
+benchmark's kernels ``bench.flattened_decode`` and ``bench.triton_ragged_attention``): queries [tokens, q_heads, D],
+one-head entry stores [E, D] and [E, Dv], entry ids [..., kv_heads, n]. Kept apart so that each imports it and none
+imports another for it."""
 
 from __future__ import annotations
 

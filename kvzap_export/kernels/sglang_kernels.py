@@ -304,21 +304,3 @@ def load(path: str | os.PathLike | None = None, *, extend: bool = False) -> SGLa
     without the files): one line naming what to pass."""
     chosen = path if path is not None else os.environ.get(ENV_VAR) or None
     return _load(None if chosen is None else str(chosen), extend)
-
-
-_NOT_FOUND: set = set()
-
-
-def available(path: str | os.PathLike | None = None) -> bool:
-    """Whether ``load(path)`` finds SGLang's decode kernel (installed, given, or in $KVZAP_SGLANG_KERNELS); a miss is
-    remembered per (path, $KVZAP_SGLANG_KERNELS) (this runs per layer); other loading errors (a path without the
-    files, a broken file) are raised."""
-    key = (None if path is None else str(path), os.environ.get(ENV_VAR))
-    if key in _NOT_FOUND:
-        return False
-    try:
-        load(path)
-    except MissingDependencyError:
-        _NOT_FOUND.add(key)
-        return False
-    return True

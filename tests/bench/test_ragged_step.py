@@ -103,7 +103,7 @@ def test_ragged_step_through_sglangs_kernel_in_the_interpreter(sglang_kernel_pat
     what it gives through the torch paths (the attention formula, the decision's torch formula)."""
     from kvzap_export.bench.ragged_step import StepAttention
     from kvzap_export.kernels import sglang_kernels
-    from kvzap_export.kernels.flattened_attention import FlattenedDecode
+    from kvzap_export.bench.flattened_decode import FlattenedDecode
 
     source = sglang_kernel_path  # the fixture skips, saying so, without SGLang's kernel file
     kernels = sglang_kernels.load(source or None)

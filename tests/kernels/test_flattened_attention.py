@@ -1,5 +1,7 @@
-"""Ragged decode attention through SGLang's own Triton decode kernel (``kernels/flattened_attention.py``), its buffers
-and the loading of SGLang's kernel file (``kernels/sglang_kernels.py``).
+"""Ragged decode attention through SGLang's own Triton decode kernel (``kernels/flattened_attention.py``'s ``launch``),
+run through the benchmark's per-call layout (``bench/flattened_decode.py``: ``FlattenedDecode``, its buffers), and the
+loading of SGLang's kernel file (``kernels/sglang_kernels.py``). The engine's own layout is tested in
+test_flattened_step.py.
 
 SGLang's kernel runs here in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), in
 float32 and float16 (the interpreter has no bfloat16), compared with ``ragged_attention.ragged_decode_attention``, the
@@ -27,8 +29,8 @@ import pytest
 import torch
 
 from kvzap_export.errors import ConfigError, InputError, MissingDependencyError
-from kvzap_export.kernels import ragged_attention, sglang_kernels
-from kvzap_export.kernels.flattened_attention import FlattenedDecode, flattened_decode_attention
+from kvzap_export.bench.flattened_decode import FlattenedDecode, flattened_decode_attention
+from kvzap_export.kernels import sglang_kernels
 from kvzap_export.kernels.ragged_attention import ragged_decode_attention
 
 # SGLang's stage 2 divides 0 by 0 for an empty head (the interpreter warns; the rows are zeroed after)
@@ -303,7 +305,6 @@ def test_missing_kernel_source_is_one_line_naming_what_to_pass(monkeypatch, tmp_
         with pytest.raises(MissingDependencyError, match="--sglang-kernels PATH") as error:
             sglang_kernels.load()
         assert "\n" not in str(error.value)
-        assert sglang_kernels.available() is False
     with pytest.raises(ConfigError, match="no such file"):
         sglang_kernels.load(tmp_path / "absent.whl")
     with pytest.raises(ConfigError, match="decode_attention.py"):
@@ -311,15 +312,6 @@ def test_missing_kernel_source_is_one_line_naming_what_to_pass(monkeypatch, tmp_
     (tmp_path / "empty.zip").write_bytes(b"PK\x05\x06" + b"\0" * 18)
     with pytest.raises(ConfigError, match="inside this zip"):
         sglang_kernels.load(tmp_path / "empty.zip")
-
-
-def test_dispatch_picks_sglang_then_triton_on_cuda_and_torch_elsewhere(monkeypatch):
-    assert ragged_attention.decode_kernel("cpu") == "torch"
-    assert ragged_attention.decode_kernel("cuda", masked=True) == "torch"
-    monkeypatch.setattr(sglang_kernels, "available", lambda path=None: True)
-    assert ragged_attention.decode_kernel("cuda") == "sglang-flattened"
-    monkeypatch.setattr(sglang_kernels, "available", lambda path=None: False)
-    assert ragged_attention.decode_kernel("cuda") == ("triton" if importlib.util.find_spec("triton") else "torch")
 
 
 def test_buffers_refuse_steps_past_their_size():
@@ -341,7 +333,7 @@ def test_the_installed_sglang_of_the_engine_environment(tmp_path):
     script = textwrap.dedent("""
         import torch
         from kvzap_export.kernels import sglang_kernels
-        from kvzap_export.kernels.flattened_attention import FlattenedDecode
+        from kvzap_export.bench.flattened_decode import FlattenedDecode
         from kvzap_export.kernels.ragged_attention import ragged_decode_attention
         kernels = sglang_kernels.load()
         assert kernels.source.origin == "installed" and kernels.source.stood_in == (), kernels.source

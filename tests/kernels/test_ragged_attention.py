@@ -1,7 +1,8 @@
 """Attention over per-head KV rows: the batched paths (decode: one gather + SDPA; extend: SDPA over the new
 tokens, with or without held prefix entries) and the float32 formula against a head-by-head loop written
-independently, and the Triton decode kernel against the formula (under ``TRITON_INTERPRET=1`` on the CPU; on a
-GPU when one is present). Property tests over ragged lengths, GQA groups, empty heads and one-entry heads."""
+independently, and the benchmark's Triton decode kernel (``bench/triton_ragged_attention.py``, what
+scripts/bench_ragged_decode.py compares with) against the formula (under ``TRITON_INTERPRET=1`` on the CPU; on a GPU
+when one is present). Property tests over ragged lengths, GQA groups, empty heads and one-entry heads."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_decode_torch_path_equals_head_by_head_attention(case):
 @settings(max_examples=40, deadline=None)
 @given(decode_case())
 def test_triton_decode_kernel_equals_the_torch_path(case):
-    from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
+    from kvzap_export.bench.triton_ragged_attention import ragged_decode_attention_triton
 
     q, k_store, v_store, ids, lengths, _rows = build(case)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,7 +94,7 @@ def test_triton_decode_kernel_equals_the_torch_path(case):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_decode_kernel_in_half_precision(dtype):
-    from kvzap_export.kernels.triton_ragged_attention import ragged_decode_attention_triton
+    from kvzap_export.bench.triton_ragged_attention import ragged_decode_attention_triton
 
     q, k_store, v_store, ids, lengths, _ = build((2, 2, 4, 16, 16, 60, [[1, 50], [33, 0]], 7))
     q, k_store, v_store = q.to(dtype), k_store.to(dtype), v_store.to(dtype)

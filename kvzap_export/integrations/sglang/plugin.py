@@ -283,6 +283,10 @@ def install(bundle, mode: str = "evict", decoding: bool = True, **policy) -> Non
     pruned_fraction = policy.pop("pruned_fraction", None)
     if pruned_fraction is not None and mode != "ragged":
         raise ConfigError(f"KVZAP_PRUNED_FRACTION is a ragged-mode benchmark setting (KVZAP_MODE={mode}); unset it")
+    if mode == "ragged":  # the decode kernel asked for: a wrong value, or the switch's former name, stops here
+        from kvzap_export.integrations.sglang.ragged_decode import chosen_kernel
+
+        chosen_kernel()
     # The manifest and the policy are checked here, in the launching process, so that a wrong bundle or
     # threshold stops the launch; the surrogate itself is loaded by each scheduler process at first use.
     KVzapPolicy.from_manifest(read_manifest(bundle), decoding=decoding, **policy)

@@ -37,7 +37,7 @@ from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.ragged_decode import ENV as ENV_DECODE
-from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_path, write_entries
+from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_kernel, write_entries
 from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_rows import Step, StoreRows, build_step
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
@@ -187,12 +187,12 @@ def backend_class(parts: RaggedParts):
             self._untaken: Step | BufferedDecode | None = None  # the same, until the step end takes it
             self.workspace = torch.empty(0, dtype=self.store.k.dtype, device=self.store.device)  # decode key gathers
             try:
-                self.decode_path = decode_path(self.store.device)
+                self.decode_kernel = decode_kernel(self.store.device)
             except ConfigError as exc:
                 raise SystemExit(f"kvzap-export: {exc}") from None
             self.max_requests = int(requests.size)
             self.group = int(model_runner.model_config.num_attention_heads) // self.store.num_kv_heads  # TP 1 here
-            self.decode_buffers: DecodeBuffers | None = None  # the flattened path's, made at the first need
+            self.decode_buffers: DecodeBuffers | None = None  # SGLang's kernel's step buffers, made at the first need
             parts.backend = self
 
         def _lay_out(self, step: "Step | BufferedDecode | None") -> None:
@@ -234,9 +234,10 @@ def backend_class(parts: RaggedParts):
 
         # ---- CUDA graphs (decode): SGLang's DecodeCudaGraphRunner calls these ----
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-            if self.decode_path != "flattened":
-                raise SystemExit(f"kvzap-export: KVzap ragged mode captures decode graphs only on its flattened path "
-                                 f"({ENV_DECODE}={self.decode_path}); add --cuda-graph-backend-decode disabled")
+            if self.decode_kernel != "sglang":
+                raise SystemExit(f"kvzap-export: KVzap ragged mode captures decode graphs only through SGLang's "
+                                 f"decode kernel ({ENV_DECODE}={self.decode_kernel}); add --cuda-graph-backend-decode "
+                                 "disabled")
             self._buffers(max_bs)
 
         def get_cuda_graph_seq_len_fill_value(self):
@@ -270,11 +271,11 @@ def backend_class(parts: RaggedParts):
                 self._lay_out(None)
                 return
             rows, counts, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()])
-            if mode.is_decode() and self.decode_path == "flattened":
+            if mode.is_decode() and self.decode_kernel == "sglang":
                 self._lay_out(self._buffers().layout(rows, new_ids))
                 return
             self._lay_out(build_step(self.store, rows, counts, new_ids, mode.is_extend()))
-            if mode.is_decode() and not (self.store.device.type == "cuda" and _triton_decode()):
+            if mode.is_decode():
                 need = len(rows) * self.store.num_kv_heads * max(self.step.widths, default=0) * self.store.head_dim
                 if need > self.workspace.numel():  # one buffer for every layer's key gather (the torch path)
                     self.workspace = torch.empty(int(need * 1.25), dtype=self.store.k.dtype, device=self.store.device)
@@ -317,7 +318,7 @@ def backend_class(parts: RaggedParts):
             self._check_save(save_kv_cache, k)
             step, lid = self.step, layer.layer_id
             self._write(lid, k.reshape(-1, hk, d), v.reshape(-1, hk, dv))
-            if isinstance(step, BufferedDecode):  # the flattened path: fixed buffers only (graph-safe)
+            if isinstance(step, BufferedDecode):  # SGLang's kernel over the step buffers: fixed ones only (graph-safe)
                 q3 = q.reshape(-1, hq, d)
                 out = torch.empty(q3.shape[0], hq, dv, dtype=q3.dtype, device=q3.device)
                 return self.decode_buffers.attend(lid, q3, layer.scaling, out).reshape(-1, hq * dv)
@@ -327,12 +328,6 @@ def backend_class(parts: RaggedParts):
             return out.reshape(-1, hq * dv)
 
     return KVzapRaggedAttnBackend
-
-
-def _triton_decode() -> bool:
-    from kvzap_export.kernels import triton_ragged_attention
-
-    return triton_ragged_attention.triton is not None
 
 
 def register(register_hook, kind, one_line) -> RaggedParts:

@@ -11,7 +11,8 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
   packed, plus ``MIN_COLUMNS`` of rounding, so a full pool's rows need about 1.25 columns per entry whatever the
   pruning or the mix of long and short requests; two columns cover that with room for the rounding of up to
   ``0.75 · entries / MIN_COLUMNS`` rows. Past that the table grows and logs it;
-- on the flattened decode path (CUDA by default) its place in the step's ``kv_indices`` (int64);
+- on the flattened decode path (SGLang's decode kernel, ``KVZAP_RAGGED_DECODE_KERNEL=sglang``, the default on CUDA)
+  its place in the step's ``kv_indices`` (int64);
 - with SGLang's radix cache on (``ragged_radix.py``): its reference count (int32) and record mark (bool), and
   ``SLOT_RECORD_BYTES`` for the slots' records (a logical slot's entry ids, int32 per (layer, KV head), and its
   mark), reserved for up to ``SLOT_RECORDS`` logical slots per dense token (the logical slot ids grow with the
@@ -102,7 +103,7 @@ def budget_hook(parts, original_fn, configurator, budget_bytes, *args, **kwargs)
     """AROUND ``KVCacheConfigurator.config_from_budget`` (bound to this process's ``RaggedParts`` by
     ``ragged.register``): SGLang sizes the pool with the budget less the entries' bookkeeping (module docstring); the
     plan is ``parts.plan``."""
-    from kvzap_export.integrations.sglang.ragged_decode import decode_path
+    from kvzap_export.integrations.sglang.ragged_decode import decode_kernel
     from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 
     if kwargs.get("cap_tokens") is not None:  # SGLang's post-capture resize of an existing pool (not the launch's)
@@ -110,7 +111,7 @@ def budget_hook(parts, original_fn, configurator, budget_bytes, *args, **kwargs)
                           "ragged store replaces); unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
     model = configurator.model_config
     device = torch.device(configurator.device)
-    flattened = decode_path(device) == "flattened"
+    flattened = decode_kernel(device) == "sglang"
     parts.plan = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
                       flattened, shares_prefixes())
     config = original_fn(configurator, parts.plan.dense_budget(), *args, **kwargs)

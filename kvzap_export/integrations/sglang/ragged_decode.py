@@ -1,6 +1,6 @@
 """Ragged decode through SGLang's decode kernel, in buffers allocated once: eager or replayed from a CUDA graph.
 
-The ragged backend (``ragged.py``) runs a decode step this way on CUDA (``KVZAP_RAGGED_DECODE=flattened``, the
+The ragged backend (``ragged.py``) runs a decode step this way on CUDA (``KVZAP_RAGGED_DECODE_KERNEL=sglang``, the
 default there; the CPU keeps the torch path). Before the forward, outside any graph (SGLang calls the backend's
 ``init_forward_metadata_out_graph`` before each replay, ``init_forward_metadata`` on an eager step), ``layout``:
 
@@ -28,27 +28,34 @@ import torch
 from kvzap_export.errors import ConfigError, InputError
 from kvzap_export.integrations.ragged_store import RaggedStore, upload
 
-ENV = "KVZAP_RAGGED_DECODE"
-PATHS = ("flattened", "torch")
+ENV = "KVZAP_RAGGED_DECODE_KERNEL"  # a debug and test switch: which kernel ragged decode attends with
+KERNELS = ("sglang", "torch")
+RENAMED = "KVZAP_RAGGED_DECODE"  # the switch's former name (values flattened | torch), refused in one line
 
 
-def decode_path(device: torch.device) -> str:
-    """``flattened`` (SGLang's decode kernel over these buffers; the default on CUDA) or ``torch`` (the padded gather of
-    ``kernels.ragged_attention``, no graphs; the default elsewhere). ``$KVZAP_RAGGED_DECODE`` overrides (tests run the
-    flattened path on the CPU engine, the kernel in Triton's interpreter)."""
-    chosen = _chosen()
-    if chosen and chosen not in PATHS:
-        raise ConfigError(f"{ENV}={chosen!r}: use one of {list(PATHS)}")
-    return chosen or ("flattened" if device.type == "cuda" else "torch")
+def decode_kernel(device: torch.device) -> str:
+    """``sglang`` (SGLang's decode kernel over these buffers, the step's rows flattened; the default on CUDA) or
+    ``torch`` (the padded gather of ``kernels.ragged_attention`` in torch ops, no graphs; the default elsewhere).
+    ``$KVZAP_RAGGED_DECODE_KERNEL`` overrides (tests run SGLang's kernel on the CPU engine, in Triton's interpreter)."""
+    return chosen_kernel() or ("sglang" if device.type == "cuda" else "torch")
 
 
 def graphs_allowed() -> bool:
-    """Whether the decode path the environment asks for can run in CUDA graphs (the torch path cannot)."""
-    return _chosen() != "torch"
+    """Whether the decode kernel the environment asks for can run in CUDA graphs (the torch path cannot)."""
+    return chosen_kernel() != "torch"
 
 
-def _chosen() -> str:
-    return os.environ.get(ENV, "").strip().lower()
+def chosen_kernel() -> str:
+    """``$KVZAP_RAGGED_DECODE_KERNEL`` ("" when unset); a value not in ``KERNELS``, or the switch's former name still
+    set, is a one-line ``ConfigError``."""
+    renamed = os.environ.get(RENAMED, "").strip()
+    if renamed:
+        raise ConfigError(f"{RENAMED}={renamed!r} is no longer read: it is now {ENV}, with sglang for flattened "
+                          f"(SGLang's decode kernel) and torch for torch; unset {RENAMED}")
+    chosen = os.environ.get(ENV, "").strip().lower()
+    if chosen and chosen not in KERNELS:
+        raise ConfigError(f"{ENV}={chosen!r}: use one of {list(KERNELS)}")
+    return chosen
 
 
 @dataclass

@@ -52,7 +52,7 @@ def graphs_problem(mode: str) -> str | None:
                 "the CPU engine makes SGLang capture CPU graphs the backend does not implement)")
     if decode and not graphs_allowed():
         return (f"decode graphs are captured with {ENV}=torch (add --cuda-graph-backend-decode disabled, or unset "
-                f"{ENV}: only the flattened decode path runs in graphs)")
+                f"{ENV}: only SGLang's decode kernel runs in graphs)")
     return None
 
 

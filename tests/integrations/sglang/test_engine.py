@@ -100,12 +100,12 @@ def test_ragged_mode_gives_kvpress_tokens_and_frees_each_heads_evicted_entries(r
 
 
 def test_ragged_mode_through_sglangs_decode_kernel_and_the_step_buffers(qwen3, capsys, monkeypatch):
-    """The GPU's decode path on the CPU engine (``KVZAP_RAGGED_DECODE=flattened``): each step laid out in the buffers a
-    CUDA graph would replay (``ragged_decode.DecodeBuffers``), attention through SGLang's own decode kernel (its
-    installed module, in Triton's interpreter here). Same tokens as kvpress, same entries freed as the torch path.
+    """The GPU's decode path on the CPU engine (``KVZAP_RAGGED_DECODE_KERNEL=sglang``): each step laid out in the
+    buffers a CUDA graph would replay (``ragged_decode.DecodeBuffers``), attention through SGLang's own decode kernel
+    (its installed module, in Triton's interpreter here). Same tokens as kvpress, same entries freed as the torch path.
     The reference's first ``SHORT_TOKENS`` tokens (the interpreter runs each kernel program in Python: CI time)."""
     model, bundle = qwen3
-    monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE_KERNEL", "sglang")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     code, result = engine_level(capsys, model, bundle, "ragged", "--max-new-tokens", str(SHORT_TOKENS))
     assert code == 0, why(result)

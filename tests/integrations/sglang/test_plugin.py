@@ -19,7 +19,8 @@ from kvzap_export.integrations.sglang import plugin
 def clean(monkeypatch):
     monkeypatch.setattr(plugin, "_CONFIG", None)
     monkeypatch.setattr(plugin, "_RUNTIME", None)
-    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS", "KVZAP_THRESHOLD", "KVZAP_PRUNED_FRACTION"):
+    for name in ("KVZAP_BUNDLE", "KVZAP_MODE", "KVZAP_DECODING", "KVZAP_STATS", "KVZAP_THRESHOLD",
+                 "KVZAP_PRUNED_FRACTION", "KVZAP_RAGGED_DECODE_KERNEL", "KVZAP_RAGGED_DECODE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -44,6 +45,11 @@ def test_plugin_is_off_without_a_bundle(clean):
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_PRUNED_FRACTION": "1.5"}, "KVZAP_PRUNED_FRACTION='1.5'"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_PRUNED_FRACTION": "most"}, "KVZAP_PRUNED_FRACTION='most'"),
     ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "evict", "KVZAP_PRUNED_FRACTION": "0.4"}, "a ragged-mode benchmark setting"),
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_RAGGED_DECODE_KERNEL": "triton"},
+     "KVZAP_RAGGED_DECODE_KERNEL='triton': use one of ['sglang', 'torch']"),
+    # the switch's former name (its values named the opposite of what ran on CUDA) is refused, naming the new one
+    ({"KVZAP_BUNDLE": "{tmp}", "KVZAP_MODE": "ragged", "KVZAP_RAGGED_DECODE": "flattened"},
+     "KVZAP_RAGGED_DECODE='flattened' is no longer read: it is now KVZAP_RAGGED_DECODE_KERNEL"),
 ])
 def test_plugin_stops_on_a_wrong_setting_instead_of_serving_without_kvzap(clean, monkeypatch, tmp_path, env, named):
     """SGLang logs and ignores a plugin's exception; SystemExit is not an Exception, so the launch stops."""
@@ -110,11 +116,11 @@ def test_plugin_without_sglang_stops_with_one_line(clean, monkeypatch, tmp_path)
 
 @pytest.mark.parametrize("mode, decode, prefill, compile_, path, refused", [
     ("ragged", False, False, False, "", None), ("ragged", True, False, False, "", None),  # ragged decode runs in graphs
-    ("ragged", True, False, False, "flattened", None),
+    ("ragged", True, False, False, "sglang", None),
     ("ragged", True, True, False, "", "prefill graphs are captured (add --cuda-graph-backend-prefill disabled"),
     ("ragged", False, True, False, "", "prefill graphs are captured (add --cuda-graph-backend-prefill disabled"),
     ("ragged", False, False, True, "", "torch.compile is on (drop --enable-torch-compile"),
-    ("ragged", True, False, False, "torch", "decode graphs are captured with KVZAP_RAGGED_DECODE=torch (add "
+    ("ragged", True, False, False, "torch", "decode graphs are captured with KVZAP_RAGGED_DECODE_KERNEL=torch (add "
                                             "--cuda-graph-backend-decode disabled"),
     ("ragged", False, False, False, "torch", None),
     ("mask", False, False, False, "", None),
@@ -135,7 +141,7 @@ def test_graphs_a_mode_cannot_run_stop_the_launch_before_the_capture_in_one_line
     on = {"decode": decode, "prefill": prefill}
     config = SimpleNamespace(check_cuda_graph_backend=lambda phase, backend: backend == "disabled" and not on[phase],
                              get_exec=lambda: SimpleNamespace(graph=SimpleNamespace(enable_torch_compile=compile_)))
-    monkeypatch.setenv("KVZAP_RAGGED_DECODE", path)
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE_KERNEL", path)
     monkeypatch.setattr(server_setup, "sglang_module", lambda name: config)
     monkeypatch.setattr(plugin, "_CONFIG", {"mode": mode})
     if refused is None:

@@ -73,7 +73,7 @@ def _configurator(requests: int = 6):
 
 
 def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
-    monkeypatch.delenv("KVZAP_RAGGED_DECODE", raising=False)
+    monkeypatch.delenv("KVZAP_RAGGED_DECODE_KERNEL", raising=False)
     parts = RaggedParts()  # this process's pieces: the hook sets the plan there
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: False)  # SGLang's radix cache off
     monkeypatch.setattr(ragged_budget, "graph_batch", lambda requests: 4)  # SGLang's decode graphs up to batch 4
@@ -88,7 +88,7 @@ def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     p = parts.plan
     assert p.budget == 1_000_000 and "decode_indices" not in p.extras and not p.fixed  # the CPU's torch decode path
     assert seen == [(configurator, p.dense_budget(), None)] and p.dense_budget() < 1_000_000
-    monkeypatch.setenv("KVZAP_RAGGED_DECODE", "flattened")  # the flattened path: kv_indices and the step buffers
+    monkeypatch.setenv("KVZAP_RAGGED_DECODE_KERNEL", "sglang")  # the flattened path: kv_indices and the step buffers
     budget_hook(parts, original, configurator, 1_000_000)
     flat = parts.plan
     assert flat.extras["decode_indices"] == 8 and flat.fixed["decode_buffers"] > 0

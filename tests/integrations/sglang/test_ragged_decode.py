@@ -7,7 +7,7 @@ per layer the K/V write (``write_entries``), the scoring hook's score write and 
 decisions. SGLang's decode kernel runs in Triton's CPU interpreter (on a GPU machine, compiled, on CUDA tensors: the
 interpreter is off there); each layer's output is compared with
 ``ragged_attention.ragged_decode_attention``, the float32 formula, over the entries read back from the store's tables.
-The engine itself runs the same path in test_engine.py (``KVZAP_RAGGED_DECODE=flattened``). Without SGLang's kernel
+The engine itself runs the same path in test_engine.py (``KVZAP_RAGGED_DECODE_KERNEL=sglang``). Without SGLang's kernel
 file the tests skip, saying so.
 """
 

@@ -1,4 +1,7 @@
-"""Triton decode attention over per-head KV rows (the ragged layout, docs/ragged-kv.md).
+"""Our first Triton decode attention over per-head KV rows (the ragged layout, docs/ragged-kv.md), kept as the
+benchmark's point of comparison: ``scripts/bench_ragged_decode.py`` times it beside SGLang's kernel (its
+"triton-ragged (ours)" rows). No engine path runs it: on CUDA the engine runs SGLang's kernel
+(``kernels/flattened_step.py``).
 
 One program per (request, KV head): it walks that head's entry ids in blocks of ``BLOCK_N``, gathers the
 K and V rows from the one-head entry pool, and keeps an online softmax (running max, running sum, running
@@ -8,8 +11,7 @@ output is written in the query's dtype. A head with no entry writes zeros (as th
 Same contract as ``ragged_attention.ragged_decode_attention`` (the float32 formula); tests/kernels compare the
 two under ``TRITON_INTERPRET=1``, with the stores as views of the combined pool the ragged mode keeps
 (``kv[:, :D]``, ``kv[:, D:]``: rows read in place, never copied). One launch per layer for the whole batch.
-Never run on a GPU yet. This module imports without triton; the launcher then raises
-``MissingDependencyError``.
+This module imports without triton; the launcher then raises ``MissingDependencyError``.
 """
 
 from __future__ import annotations
