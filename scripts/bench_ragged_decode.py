@@ -46,7 +46,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from kvzap_export.bench.timing import capture_graph, flushed_timer  # noqa: E402
 from kvzap_export.bench import ragged_step as model  # noqa: E402 - shapes, dtype, device: model.NAME (one owner)
@@ -55,7 +54,7 @@ from kvzap_export.bench.ragged_report import print_report  # noqa: E402 - the sc
 from kvzap_export.kernels.flattened_step import GPU_SMALL_BATCH_SPLITS, GPU_SPLITS  # noqa: E402
 from kvzap_export.bench.ragged_step import (  # noqa: E402
     DenseThroughKernel, Layer, RaggedState, StepAttention, dense_step, dense_variants, kept_lengths, pool_layout,
-    ragged_decide, ragged_score, ragged_step, ragged_write)
+    ragged_decide, ragged_score, ragged_step, ragged_write, replay_against_eager)
 
 ATTENTION_GRID = [(b, t, p) for b in (1, 16, 64) for t in (4096, 32768) for p in (0.4, 0.7)]
 OLD_KERNEL_ROWS = {(1, 32768, 0.7), (16, 32768, 0.7), (64, 4096, 0.7)}
@@ -320,45 +319,12 @@ class Bench:
             release()
 
     def replay(self):
-        """The captured ragged step replayed ``steps`` times vs the same steps eagerly on a copy of the state."""
-        layer = Layer(seed=3)
+        """The captured ragged step replayed ``steps`` times vs the same steps eagerly (``replay_against_eager``)."""
         batch, seq, pruned, steps = REPLAY_CASE
         st, flat, x = self.ragged_setup(batch, seq, pruned, 11)
-        inputs = torch.randn(steps, *x.shape, device=model.DEVICE,
-                             generator=torch.Generator(device=model.DEVICE).manual_seed(5))
-        inputs = inputs.to(model.DTYPE)
-        initial = st.clone()
-        graph, static_out = graphed(lambda: ragged_step(layer, st, x, flat, self.args.tau))
-        st.copy_(initial)  # the warm-ups stepped it: back to the start, same buffers
-        graph_out = []
-        for t in range(steps):
-            x.copy_(inputs[t])
-            graph.replay()
-            graph_out.append((flat.out.clone(), static_out.clone()))  # attention's output, the layer's output
-        graph_state = st.clone()
-        st.copy_(initial)
-        eager_out = []
-        for t in range(steps):
-            x.copy_(inputs[t])
-            out = ragged_step(layer, st, x, flat, self.args.tau)
-            eager_out.append((flat.out.clone(), out))
-        held = torch.arange(st.ids.shape[-1], device=model.DEVICE) < st.lengths[..., None]
-        top = int(st.top)
-        same_state = bool(torch.equal(st.lengths, graph_state.lengths)
-                          and torch.equal(st.ids[held], graph_state.ids[held])
-                          and torch.equal(st.top, graph_state.top) and torch.equal(st.fresh, graph_state.fresh)
-                          and torch.equal(st.free[:top], graph_state.free[:top]))
-        stores = max((getattr(st, n).float() - getattr(graph_state, n).float()).abs().max().item()
-                     for n in ("k", "v", "scores"))
-        diff = [max((e[i].float() - r[i].float()).abs().max().item() for e, r in zip(eager_out, graph_out))
-                for i in (0, 1)]
-        grown = (st.lengths - initial.lengths).float()
+        figures = replay_against_eager(Layer(seed=3), st, flat, x, self.args.tau, steps, graphed)
         self.report["replay"] = self.row(kernel="sglang-step", batch=batch, seq=seq, pruned=pruned, steps=steps,
-                                         max_abs_diff_attention=diff[0], max_abs_diff_layer=diff[1],
-                                         bookkeeping_equal=same_state, stores_max_abs_diff=stores,
-                                         mean_length_growth=grown.mean().item(), min_length_growth=grown.min().item(),
-                                         evicted_fraction=1 - grown.mean().item() / steps,
-                                         passed=same_state and max(diff + [stores]) <= 1e-2)
+                                         **figures)
 
     def targets(self):
         self.report["targets"] = ragged_report.targets(self.report, self.device_name)

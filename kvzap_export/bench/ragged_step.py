@@ -15,7 +15,9 @@ CPU tensors in float32).
   (``kernels.decode_decision.decide_table``, what ``RaggedStore.decide_decode`` runs: its Triton kernel on CUDA, its
   torch formula elsewhere): tested against tau and removed from its row if evicted, evicted ids pushed on the free
   stack and the next step's ids popped (``recycle``: the store's ``push`` and ``pop``). All on the device, no read-back: a step can be captured in a CUDA
-  graph.
+  graph;
+- the replay check (``replay_against_eager``): the ragged step captured once and replayed, against the same steps run
+  eagerly from the same state.
 
 Defaults are Llama-3.1-8B's shapes in bf16 on CUDA (the module constants below); every one is a parameter.
 """
@@ -263,3 +265,41 @@ def ragged_step(layer: Layer, st: RaggedState, x, attend, tau: float, use_triton
     out = layer.back(x, attn.reshape(k.shape[0], -1))
     ragged_decide(st, tau, use_triton)
     return out
+
+
+def replay_against_eager(layer: Layer, st: RaggedState, flat, x, tau: float, steps: int, graphed) -> dict:
+    """``ragged_step`` captured once (``graphed(fn)`` -> (graph, its output)) and replayed ``steps`` times, against the
+    same steps run eagerly from the same state (random inputs written into ``x``; ``flat``: the step's attention,
+    whose ``out`` buffer holds its output). Returns the replay's figures: bookkeeping (lengths, held ids, free stack,
+    next ids) equal, the largest differences of attention, the layer's output and the K/V/score stores, the rows'
+    growth, and ``passed`` (bookkeeping equal, every difference within 1e-2)."""
+    inputs = torch.randn(steps, *x.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))
+    inputs = inputs.to(DTYPE)
+    initial = st.clone()
+    graph, static_out = graphed(lambda: ragged_step(layer, st, x, flat, tau))
+    st.copy_(initial)  # the warm-ups stepped it: back to the start, same buffers
+    graph_out = []
+    for t in range(steps):
+        x.copy_(inputs[t])
+        graph.replay()
+        graph_out.append((flat.out.clone(), static_out.clone()))  # attention's output, the layer's output
+    graph_state = st.clone()
+    st.copy_(initial)
+    eager_out = []
+    for t in range(steps):
+        x.copy_(inputs[t])
+        out = ragged_step(layer, st, x, flat, tau)
+        eager_out.append((flat.out.clone(), out))
+    held = torch.arange(st.ids.shape[-1], device=st.ids.device) < st.lengths[..., None]
+    top = int(st.top)
+    same_state = bool(torch.equal(st.lengths, graph_state.lengths) and torch.equal(st.ids[held], graph_state.ids[held])
+                      and torch.equal(st.top, graph_state.top) and torch.equal(st.fresh, graph_state.fresh)
+                      and torch.equal(st.free[:top], graph_state.free[:top]))
+    stores = max((getattr(st, n).float() - getattr(graph_state, n).float()).abs().max().item()
+                 for n in ("k", "v", "scores"))
+    diff = [max((e[i].float() - r[i].float()).abs().max().item() for e, r in zip(eager_out, graph_out)) for i in (0, 1)]
+    grown = (st.lengths - initial.lengths).float()
+    return dict(max_abs_diff_attention=diff[0], max_abs_diff_layer=diff[1], bookkeeping_equal=same_state,
+                stores_max_abs_diff=stores, mean_length_growth=grown.mean().item(),
+                min_length_growth=grown.min().item(), evicted_fraction=1 - grown.mean().item() / steps,
+                passed=same_state and max(diff + [stores]) <= 1e-2)
