@@ -1,6 +1,6 @@
 """How many threads torch uses for each kind of work, so that validation degrades gracefully on a shared machine.
 
-Measured on 2 shared cores (scripts/bench_main_command.py, docs/benchmarks.md): with two intra-op threads, every
+Measured on 2 shared cores (scripts/bench_main_command.py, docs/benchmarks-history.md): with two intra-op threads, every
 small op (a decode step is hundreds of them, each tens of microseconds) ends in an OpenMP barrier; when another
 process holds a core, one thread waits for the other (spinning first) and a 1-token step cost 3-7x the CPU time of
 the same step on one thread, prefills 3-4x. One thread has no barrier to wait at. So validation runs torch on one
@@ -10,7 +10,7 @@ use every core the process may use (``large_work_threads()``).
 Independent runs of the LLM (the model level's three greedy runs) go side by side instead (``side_by_side``): each in
 its own Python thread with torch on one intra-op thread, so no OpenMP barrier is shared and every core has work. A
 decode step streams the weights once through small-row matrix products and pays per-op overhead; one thread neither
-saturates memory nor gains much from a second thread (docs/benchmarks.md: 5-row products at about half a core's
+saturates memory nor gains much from a second thread (docs/benchmarks-history.md: 5-row products at about half a core's
 peak, 11 GB/s of memory reads per core), so two or three runs at once keep both cores busy, and prefills fill both.
 """
 

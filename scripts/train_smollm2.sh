@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains the shipped SmolLM2-135M surrogates (linear and MLP) on this machine's CPU, offline, from the
 # built-in corpus (scripts/install_corpus.sh installs it). Target collection is cached per prompt in
-# $CACHE and resumes if interrupted. Wall time on the 2-core Intel Xeon of docs/benchmarks.md: see
+# $CACHE and resumes if interrupted. Wall time on the 2-core Intel Xeon of docs/benchmarks-history.md: see
 # kvzap_export/assets/smollm2-135m/report/report.md (its last paragraph).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@ graph captures) only reads fixed buffers:
   ``small_batch_splits`` for a step of at most ``SMALL_BATCH`` requests (the buffers are sized for them) and
   ``max_kv_splits`` otherwise. A small batch has too few rows to fill the GPU (8 rows
   at batch 1 of Llama-3.1-8B); more splits per row spread its entries over more programs (on an H100, batch 1 x
-  32k x 70% pruned: 64 splits 54.8 us, 32 splits 64.1 us; docs/benchmarks.md).
+  32k x 70% pruned: 64 splits 54.8 us, 32 splits 64.1 us; docs/benchmarks-history.md).
 
 The copy of the ids reads only the entries held: a Triton kernel (one program per (row, block of 1024 columns);
 programs past a row's length return at once), or on the CPU (no Triton launch outside the interpreter) a torch
