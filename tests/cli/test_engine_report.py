@@ -78,13 +78,7 @@ def test_require_engine_follows_the_engine_level(bundle, monkeypatch, capsys):
 
 
 def test_chunk_size_and_the_radix_cache_go_to_the_engine_and_need_it(bundle, monkeypatch, capsys):
-    seen = {}
-
-    def fake(*args, **kwargs):
-        seen.update(kwargs)
-        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
-
-    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    seen = recorded_engine_level(monkeypatch)
     assert main(["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle),
                  "--chunk-size", "64", "--json"]) == 0
     assert seen["engine_args"] == {"chunked_prefill_size": 64}
@@ -106,13 +100,7 @@ def test_chunk_size_and_the_radix_cache_go_to_the_engine_and_need_it(bundle, mon
 def test_engine_args_reach_the_engine_level_and_bad_ones_are_one_line(bundle, monkeypatch, capsys):
     """--engine-arg KEY=VALUE (repeated): values read as JSON where they are JSON, merged with --chunk-size; malformed,
     repeated or reserved keys, or the option without --engine, are one-line usage errors before anything runs."""
-    seen = {}
-
-    def fake(*args, **kwargs):
-        seen.update(kwargs)
-        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
-
-    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    seen = recorded_engine_level(monkeypatch)
     engine = ["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle), "--json"]
     assert main([*engine, "--engine-arg", "sampling_backend=pytorch", "--engine-arg", "mem-fraction-static=0.3",
                  "--engine-arg", "enable_x=true", "--chunk-size", "64"]) == 0
@@ -137,13 +125,7 @@ def test_engine_args_reach_the_engine_level_and_bad_ones_are_one_line(bundle, mo
 def test_tp_size_goes_to_the_engine_and_needs_it(bundle, monkeypatch, capsys):
     """--tp-size N reaches the engine as its tp_size; without --engine, or through --engine-arg, it is a one-line usage
     error."""
-    seen = {}
-
-    def fake(*args, **kwargs):
-        seen.update(kwargs)
-        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
-
-    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    seen = recorded_engine_level(monkeypatch)
     engine = ["validate", str(bundle), "--engine", "sglang", "--engine-mode", "ragged", "--model", str(bundle), "--json"]
     assert main([*engine, "--tp-size", "2"]) == 0 and seen["engine_args"] == {"tp_size": 2}
     for args, says in ((["validate", str(bundle), "--tp-size", "2"], "--engine sglang"),
@@ -172,3 +154,15 @@ def test_bench_tp_size_reaches_every_launch(monkeypatch, capsys):
         main(["bench", "--engine", "sglang", "--bundle", "b", "--model", "m", "--engine-python", sys.executable,
               "--tp-size", "2", "--json"])
     assert seen["engine"] == {"tp_size": 2}
+
+
+def recorded_engine_level(monkeypatch) -> dict:
+    """The engine level replaced by a passing one that records its keyword arguments (returned, filled when called)."""
+    seen = {}
+
+    def fake(*args, **kwargs):
+        seen.update(kwargs)
+        return {"status": "passed", "engine": "sglang", "mode": "ragged", "summary": "ok", "prompts": [], "problems": []}
+
+    monkeypatch.setattr("kvzap_export.validate.engine_level.run_engine_level", fake)
+    return seen

@@ -41,3 +41,17 @@ def build_bundle(root, model_dir, model, **options):
 
 def reference_prompts(bundle) -> list[list[int]]:
     return [p["prompt_ids"] for p in json.loads((bundle / "report" / "reference.json").read_text())["prompts"]]
+
+
+def reference_stream(bundle, copies: int = 4) -> tuple[list[dict], list[list[int]]]:
+    """The reference prompts, ``copies`` copies each, kvpress decoding=True and =False mixed, as stream requests, and
+    the kvpress tokens each must equal."""
+    reference = json.loads((bundle / "report" / "reference.json").read_text())
+    stream, expected = [], []
+    for _copy in range(copies):
+        for prompt in reference["prompts"]:
+            for run in prompt["runs"]:
+                stream.append({"input_ids": prompt["prompt_ids"], "max_new_tokens": NEW_TOKENS,
+                               "kvzap": "decoding" if run["decoding"] else "prefill"})
+                expected.append(run["output_ids"])
+    return stream, expected

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.sglang.engine_runs import NEW_TOKENS, reference_prompts, run_driver
+from tests.integrations.sglang.engine_runs import NEW_TOKENS, reference_prompts, reference_stream, run_driver
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -71,14 +71,7 @@ def concurrent_reference_stream(model, bundle, mode, tmp_path, pool_requests: in
     """The reference prompts, four copies each, kvpress decoding=True and =False mixed, submitted at once (up to 8
     running, a pool of ``pool_requests`` requests' worth, ``engine``: more engine arguments), with
     KVZAP_COUNT_HOST_READS=1; returns the driver's result and the kvpress tokens each must equal."""
-    reference = json.loads((bundle / "report" / "reference.json").read_text())
-    stream, expected = [], []
-    for _copy in range(4):
-        for prompt in reference["prompts"]:
-            for run in prompt["runs"]:
-                stream.append({"input_ids": prompt["prompt_ids"], "max_new_tokens": NEW_TOKENS,
-                               "kvzap": "decoding" if run["decoding"] else "prefill"})
-                expected.append(run["output_ids"])
+    stream, expected = reference_stream(bundle)
     longest = max(len(r["input_ids"]) for r in stream)
     spec = {"model": str(model), "bundle": str(bundle), "mode": mode, "stream": stream,
             "engine": {"max_running_requests": 8, "max_total_tokens": pool_requests * (longest + NEW_TOKENS + 8), **engine}}

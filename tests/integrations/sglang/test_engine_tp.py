@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.integrations.sglang.engine_runs import NEW_TOKENS, reference_prompts, run_driver
+from tests.integrations.sglang.engine_runs import reference_prompts, reference_stream, run_driver
 from tests.integrations.sglang.test_engine import check_against_kvpress, engine_level, why
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -150,14 +150,7 @@ def test_two_data_parallel_replicas_both_serve_and_free_memory_with_kvpress_toke
     dense storage would, and SGLang's internal state (what ``/server_info`` lists per replica) carries each replica's
     KVzap figures."""
     model, bundle = qwen3
-    reference = json.loads((bundle / "report" / "reference.json").read_text())
-    stream, expected = [], []
-    for _copy in range(4):
-        for prompt in reference["prompts"]:
-            for run in prompt["runs"]:
-                stream.append({"input_ids": prompt["prompt_ids"], "max_new_tokens": NEW_TOKENS,
-                               "kvzap": "decoding" if run["decoding"] else "prefill"})
-                expected.append(run["output_ids"])
+    stream, expected = reference_stream(bundle)
     spec = {"model": str(model), "bundle": str(bundle), "mode": "ragged", "stream": stream, "server_info": True,
             "engine": {"dp_size": 2, "max_total_tokens": 8192, "max_running_requests": 8}}
     done = run_driver(tmp_path, spec)
