@@ -37,7 +37,8 @@ from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
-from kvzap_export.integrations.sglang.server_setup import ServerSetup, graphs_problem, prefill_graphs_default
+from kvzap_export.integrations.sglang.server_setup import (ServerSetup, graphs_problem, prefill_graphs_default,
+                                                           tp_group, tp_size_rank)
 from kvzap_export.integrations.sglang.settings import (check_sglang_version, evict_frees_nothing,
                                                        pruned_fraction_from_env, threshold_from_env)
 
@@ -59,8 +60,8 @@ def runtime() -> KVzapSGLang:
             raise ConfigError("KVzap's SGLang runtime is not installed in this process; call install() (or load the plugin)")
         from kvzap_export.integrations.sglang.stats import AllocatorReadings
 
-        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
-        size, rank = (group.world_size, group.rank_in_group) if group is not None else (1, 0)
+        group = tp_group()
+        size, rank = tp_size_rank()
         cfg = _CONFIG
         factory = KVzapSGLang
         if cfg["mode"] == "ragged":
@@ -73,14 +74,6 @@ def runtime() -> KVzapSGLang:
         rt.stats = AllocatorReadings.from_env(rank, _dp_rank())
         _RUNTIME = rt
     return _RUNTIME
-
-
-def _tp_group(parallel):
-    """The TP group when distributed state exists (scheduler processes); None in a plain process."""
-    try:
-        return parallel.get_tp_group()
-    except (AssertionError, AttributeError, RuntimeError):
-        return None
 
 
 def _dp_rank() -> int | None:
@@ -227,8 +220,7 @@ def _readings_only():
     singleton for the reason ``_RUNTIME`` is one (the dense hooks have no runtime to hang it on)."""
     from kvzap_export.integrations.sglang.stats import AllocatorReadings
 
-    group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
-    return AllocatorReadings.from_env(group.rank_in_group if group is not None else 0, _dp_rank())
+    return AllocatorReadings.from_env(tp_size_rank()[1], _dp_rank())
 
 
 def _internal_state_hook(result, scheduler, *args, **kwargs):
@@ -243,9 +235,8 @@ def _internal_state_hook(result, scheduler, *args, **kwargs):
         return result
     try:
         rt = runtime()
-        group = _tp_group(sglang_module("sglang.srt.distributed.parallel_state"))
-        state["kvzap"] = {"mode": rt.mode, "tp_rank": group.rank_in_group if group is not None else 0,
-                          "tp_size": group.world_size if group is not None else 1, "dp_rank": _dp_rank(),
+        size, rank = tp_size_rank()
+        state["kvzap"] = {"mode": rt.mode, "tp_rank": rank, "tp_size": size, "dp_rank": _dp_rank(),
                           **AllocatorReadings.pool(scheduler.token_to_kv_pool_allocator, rt,
                                                    getattr(scheduler, "tree_cache", None))}
     except Exception as exc:  # noqa: BLE001 - an operator's query must not stop the scheduler

@@ -15,6 +15,7 @@ from kvzap_export.integrations.rank_room import RankRoom
 from kvzap_export.integrations.sglang.api import sglang_module
 from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
+from kvzap_export.integrations.sglang.server_setup import tp_group
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +129,8 @@ def allocator_class():
 
 def tp_cpu_group():
     """SGLang's tensor-parallel CPU (gloo) group when it spans more than one rank, else None."""
-    try:
-        group = sglang_module("sglang.srt.distributed.parallel_state").get_tp_group()
-    except (AssertionError, AttributeError, RuntimeError):
-        return None
-    return group.cpu_group if group.world_size > 1 else None
+    group = tp_group()
+    return group.cpu_group if group is not None and group.world_size > 1 else None
 
 
 def pool_class_hook(original_fn, platform, *args, kind=None, **kwargs):

@@ -187,3 +187,18 @@ class ServerSetup:
             out.append(f"the KV cache is quantized ({self.kv_dtype}; use --kv-cache-dtype auto: KVzap's decode reads "
                        "plain K/V)")
         return out
+
+
+def tp_group():
+    """SGLang's tensor-parallel ``GroupCoordinator`` once its distributed state exists (scheduler processes); None in a
+    plain process."""
+    try:
+        return sglang_module("sglang.srt.distributed.parallel_state").get_tp_group()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+
+
+def tp_size_rank() -> tuple[int, int]:
+    """(ranks, this process's rank) of tensor parallelism; (1, 0) outside SGLang's scheduler processes."""
+    group = tp_group()
+    return (group.world_size, group.rank_in_group) if group is not None else (1, 0)
