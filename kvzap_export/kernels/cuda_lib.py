@@ -12,7 +12,7 @@ called from Python on torch CUDA tensors.
   ``threshold_compaction_grid`` says how the decision launch splits rows into tiles (host arithmetic: the library
   loads and answers without a GPU, since nvcc links the CUDA runtime statically).
 
-Used by tests/plugins/test_cuda_build.py (exactness on a GPU) and scripts/bench_kernels.py (timings).
+Used by tests/plugins/test_cuda_kernels.py (exactness on a GPU) and scripts/bench_kernels.py (timings).
 """
 
 from __future__ import annotations

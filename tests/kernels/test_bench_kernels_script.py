@@ -9,7 +9,7 @@ targets, the check's verdicts and what its report names. Two things differ from 
   calls computed *by the reference itself*. Its rows compare the reference with itself, so they check only the
   script's wiring (that the CUDA rows are measured, compared and reported, and a wrong keep is caught), never the
   CUDA kernels; the report names the stand-in, not a CUDA library. The CUDA kernels are compared with the
-  reference on a GPU (tests/plugins/test_cuda_build.py, ``bench_kernels.py --check``).
+  reference on a GPU (tests/plugins/test_cuda_kernels.py, ``bench_kernels.py --check``).
 
 CUDA events are replaced by a wall clock; timings are not checked.
 """
