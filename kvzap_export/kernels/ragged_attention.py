@@ -20,7 +20,8 @@ device back.
   prompt is dense: KVzap decides after the prefill forward): causal attention over the new K/V themselves, no
   gather, one call (``is_causal`` when the prompts have one length, else a padding mask).
 - ``prefix_extend_attention``: an extend batch whose requests already hold entries (a prompt chunk after the
-  first): each head's held prefix entries, gathered, then the new tokens causally; one call.
+  first): each head's held prefix entries, gathered, then the new tokens causally; one call per block of queries
+  (the scores of a block stay under ``BLOCK_SCORE_BYTES``).
 
 A head with no entry gives zeros. ``ragged_decode_attention`` is the plain float32 formula of the decode
 case, written independently of the fast path (the reference every decode kernel is tested against).
@@ -188,28 +189,55 @@ def causal_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return _unpadded(out, where)
 
 
+# A prefix chunk's attention in one call would hold scores of [B, q_heads, n, P + n] (n: the chunk, P: the held
+# prefix): SDPA's math kernel materializes them in float32, and it is the kernel a boolean mask with grouped KV heads
+# gets on CUDA (flash takes no mask, the memory-efficient kernel no grouped heads). A 32k prompt on Llama-3.1-8B
+# chunked by 8,192 would need ~32 GiB per layer call, so queries go in blocks whose scores stay under this many bytes
+# (a block attends to the keys up to its last query only).
+BLOCK_SCORE_BYTES = 256 << 20
+
+
+def query_block(batch: int, q_heads: int, keys: int, queries: int, budget: int = BLOCK_SCORE_BYTES) -> int:
+    """Queries per block: the most whose float32 scores over ``keys`` keys (every head, every request) fit ``budget``;
+    at least one."""
+    return max(1, min(queries, budget // max(1, 4 * batch * q_heads * keys)))
+
+
 def prefix_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
                             prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lengths: torch.Tensor, scale: float,
-                            heads_agree: bool = False, where: torch.Tensor | None = None) -> torch.Tensor:
+                            heads_agree: bool = False, where: torch.Tensor | None = None,
+                            block_bytes: int = BLOCK_SCORE_BYTES) -> torch.Tensor:
     """Prompt chunks after entries already held. q, k, v and ``lens`` as ``causal_extend_attention``; prefix_k
     [B, kv_heads, P, D] and prefix_v [B, kv_heads, P, Dv] each head's held entries gathered (padded),
     ``prefix_lengths`` int [B, kv_heads];
     ``heads_agree``: every head of a request holds as many entries (a prefix nothing pruned yet: one mask
     serves every head). Every held entry precedes the chunk (an earlier forward appended it), so each query
-    sees all of its head's held entries, then the chunk's tokens up to itself. Returns [T, q_heads, Dv]."""
+    sees all of its head's held entries, then the chunk's tokens up to itself. Returns [T, q_heads, Dv].
+
+    Queries run in blocks of ``query_block`` (scores under ``block_bytes``). The query heads of a KV head are folded
+    into the query axis ([B, kv_heads, group * m, D] against that head's keys): SDPA sees as many query as KV heads,
+    so on CUDA its memory-efficient kernel takes the mask, and no K/V is copied per query head."""
     if not lens or sum(lens) != q.shape[0]:
         raise InputError(f"prefix_extend_attention: {q.shape[0]} tokens, chunks of {lens}")
     B, H, P, _ = prefix_k.shape
-    n = max(lens)
+    n, group, dv = max(lens), q.shape[1] // H, v.shape[-1]
     where = where if where is not None else token_positions(lens, q.device)
     qp, kp, vp = _padded(q, lens, where), _padded(k, lens, where), _padded(v, lens, where)
     keys = torch.cat([prefix_k, kp], dim=2)  # [B, H, P + n, D]
     values = torch.cat([prefix_v, vp], dim=2)
     lengths = prefix_lengths[:, :1] if heads_agree else prefix_lengths
     held = torch.arange(P, device=q.device) < lengths[..., None]  # [B, H or 1, P]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    mask = torch.cat([held[:, :, None, :].expand(-1, -1, n, P), causal.expand(B, held.shape[1], n, n)], dim=-1)
-    if not heads_agree:
-        mask = mask.repeat_interleave(q.shape[1] // H, dim=1)  # [B, q_heads, n, P + n]
-    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    return _unpadded(out, where)
+    heads = held.shape[1]
+    block = query_block(B, q.shape[1], P + n, n, block_bytes)
+    outs = []
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        m = stop - start
+        causal = torch.ones(m, stop, dtype=torch.bool, device=q.device).tril(start)  # query start + i: keys <= it
+        mask = torch.cat([held[:, :, None, :].expand(-1, -1, m, P), causal.expand(B, heads, m, stop)], dim=-1)
+        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(B, heads, group * m, P + stop)
+        queries = qp[:, :, start:stop].reshape(B, H, group * m, -1)  # query head h * group + g reads KV head h
+        out = F.scaled_dot_product_attention(queries, keys[:, :, : P + stop], values[:, :, : P + stop], attn_mask=mask,
+                                             scale=scale)
+        outs.append(out.view(B, H * group, m, dv))
+    return _unpadded(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), where)

@@ -188,10 +188,11 @@ def test_fresh_prompts_attend_causally_over_their_own_tokens(lens, kv_heads, gro
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=3), st.integers(1, 3), st.sampled_from([1, 3]),
-       st.booleans(), st.integers(0, 2**16))
-def test_chunks_attend_over_each_heads_held_prefix_then_causally(lens, kv_heads, group, agree, seed):
+       st.booleans(), st.integers(0, 2**16), st.sampled_from([None, 1, 700]))
+def test_chunks_attend_over_each_heads_held_prefix_then_causally(lens, kv_heads, group, agree, seed, block_bytes):
     """A prompt chunk after entries each head holds (all heads the same count when ``agree``, as before any
-    decision; different subsets otherwise)."""
+    decision; different subsets otherwise), in one call or in blocks of queries (``block_bytes``: one query a block,
+    a few, all)."""
     g = torch.Generator().manual_seed(seed)
     T, dim, store = sum(lens), 8, 64
     q = torch.randn(T, kv_heads * group, dim, generator=g)
@@ -208,5 +209,17 @@ def test_chunks_attend_over_each_heads_held_prefix_then_causally(lens, kv_heads,
         for h, n in enumerate(row):
             ids[b, h, :n] = torch.randperm(store, generator=g)[:n]
             prefixes[b].append((kv[ids[b, h, :n], :dim], kv[ids[b, h, :n], dim:]))
-    out = prefix_extend_attention(q, k, v, lens, kv[ids, :dim], kv[ids, dim:], torch.tensor(held), 0.3, heads_agree=agree)
+    blocks = {} if block_bytes is None else {"block_bytes": block_bytes}
+    out = prefix_extend_attention(q, k, v, lens, kv[ids, :dim], kv[ids, dim:], torch.tensor(held), 0.3,
+                                  heads_agree=agree, **blocks)
     assert torch.allclose(out.double(), causal_loop(q, k, v, lens, prefixes, 0.3), atol=1e-5)
+
+
+def test_query_blocks_keep_a_32k_chunks_scores_bounded():
+    """Llama-3.1-8B's second 8,192-token chunk of a 32k prompt: one call's float32 scores would take 8 GiB per
+    request; the blocks' stay under BLOCK_SCORE_BYTES."""
+    from kvzap_export.kernels.ragged_attention import BLOCK_SCORE_BYTES, query_block
+
+    block = query_block(1, 32, 8192 + 8192, 8192)
+    assert 4 * 32 * block * 16384 <= BLOCK_SCORE_BYTES < 4 * 32 * (block + 1) * 16384
+    assert query_block(2, 9, 100, 50) == 50 and query_block(64, 64, 1 << 20, 10) == 1
