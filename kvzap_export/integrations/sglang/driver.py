@@ -107,6 +107,15 @@ def bind_cpu_ranks(args: dict) -> None:
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(_core_ranges(g) for g in groups)
 
 
+def exact_float32(args: dict) -> None:
+    """A float32 launch on a GPU (validate's, against kvpress's float32 reference) computes float32 in IEEE precision:
+    Triton's ``tl.dot`` multiplies float32 in TF32 unless ``TRITON_F32_DEFAULT`` says otherwise, and SGLang's Triton
+    attention kernels (the dense backend's, and ragged mode's decode over the flattened rows) leave it at that. Left
+    alone when the caller set it, on the CPU engine and in bfloat16."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" and args.get("dtype") == "float32":
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
 def _core_ranges(cores: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (SGLang's notation for a rank's cores)."""
     out, start = [], cores[0]
@@ -177,6 +186,7 @@ def _launch(spec: dict):
 
     args = engine_args(spec)
     bind_cpu_ranks(args)
+    exact_float32(args)
     started = time.perf_counter()
     engine = sglang.Engine(**args)
     return engine, stats, time.perf_counter() - started

@@ -1,6 +1,8 @@
 """The engine driver's keyword arguments (no engine needed): the model's dtype by machine, the settings every mode
 needs, the attention backend per mode."""
 
+import os
+
 import pytest
 
 from kvzap_export.integrations.sglang.driver import BASE_ENGINE_ARGS, NO_GRAPH_MODES, NO_GRAPHS, RADIX_MODES, engine_args
@@ -19,6 +21,26 @@ def test_a_gpu_serves_bfloat16_unless_the_spec_asks(monkeypatch, mode):
     # itself); both phases off in the masking modes, whose Python hooks graph replay would skip
     graphs = {k: args[k] for k in NO_GRAPHS if k in args}
     assert graphs == (NO_GRAPHS if mode in NO_GRAPH_MODES else {}), graphs
+
+
+def test_a_float32_gpu_launch_computes_triton_dots_in_ieee_float32(monkeypatch):
+    """validate's float32 launches on a GPU: Triton's dot would multiply float32 in TF32 (SGLang's attention
+    kernels)."""
+    from kvzap_export.integrations.sglang.driver import exact_float32
+
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    exact_float32(engine_args({"model": "m", "mode": "ragged"}))  # bfloat16: left alone
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    exact_float32(engine_args({"model": "m", "mode": "ragged", "dtype": "float32"}))
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")  # the caller's own choice stays
+    exact_float32(engine_args({"model": "m", "mode": "mask", "dtype": "float32"}))
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32"
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    exact_float32(engine_args({"model": "m", "mode": "ragged"}))
+    assert "TRITON_F32_DEFAULT" not in os.environ
 
 
 def test_the_cpu_engine_keeps_float32(monkeypatch):
