@@ -13,7 +13,10 @@ graph captures) only reads fixed buffers:
   slice ``kv_indptr[l * R : (l + 1) * R + 1]`` (R = B * H) holds absolute offsets into the one ``kv_indices``;
 - ``kv_indices`` int64 [entries + 1]: each row's entry ids, in its order, copied from the row tables (the last
   element is a discard slot the torch path writes padding to); int64 because SGLang's kernel computes the element
-  offset ``id * row_stride`` in the dtype of ``kv_indices`` (``flattened_attention``'s docstring);
+  offset ``id * row_stride`` in the dtype of ``kv_indices`` (``flattened_attention``'s docstring). Rows that share
+  entries (a prefix SGLang's radix cache gave several requests) can hold more ids than the pool has entries: such a
+  step (``fits``: the caller's host bound) is laid out in ids of its own, eagerly, as SGLang's Triton backend does
+  for its eager steps; a CUDA graph reads the fixed buffer only, so it must not replay such a step;
 - ``num_kv_splits`` int32 [L * max_rows]: per layer, ``ceil(length / chunk)`` clamped to [1, max_kv_splits] with
   ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
 - ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
@@ -149,6 +152,7 @@ class FlattenedStep:
         self._safe = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._chunk = torch.zeros(layers, dtype=torch.int32, device=dev)
         self.batch = 0
+        self.indices = self.kv_indices  # the ids the filled step attends over (its own where it does not fit)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor this instance allocated (their data pointers never change)."""
@@ -165,11 +169,16 @@ class FlattenedStep:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
-    def fill(self, table, lengths: torch.Tensor, slots: torch.Tensor, width: int) -> None:
+    def fits(self, ids: int) -> bool:
+        """Whether a step of ``ids`` entry ids over all its rows and layers fits ``kv_indices`` (module docstring)."""
+        return ids < self.kv_indices.shape[0]
+
+    def fill(self, table, lengths: torch.Tensor, slots: torch.Tensor, width: int, ids: int | None = None) -> None:
         """Lays out a step of ``B = len(slots)`` requests from the row tables: ``table`` a ``RowTable`` (``data`` int32,
         ``base`` int64 [S, L, H]) or a dense int32 [S, L, H, W'], lengths int32 [S, L, H], slots int64 [B] on the device
         (-1: a padding row, which holds nothing); ``width``: at least the longest row of these requests (host; the
-        torch path pads to it)."""
+        torch path pads to it); ``ids``: at least the entry ids of these rows over every layer (host; default: what
+        ``kv_indices`` holds): a step past ``fits`` gets ids of its own."""
         L, H = self.layers, self.kv_heads
         B = slots.shape[0]
         data, base = row_buffers(table)
@@ -190,10 +199,15 @@ class FlattenedStep:
         lens.view(L, B, H).copy_(gathered.permute(1, 0, 2))
         torch.cumsum(lens, 0, dtype=torch.int32, out=self.kv_indptr[1: n + 1])
         torch.eq(lens, 0, out=self.empty[:n])
+        fixed = ids is None or self.fits(ids)
+        if not fixed and ids + self.target_programs >= 2**31 - 1:  # kv_indptr and the split arithmetic are int32
+            raise InputError(f"FlattenedStep.fill: a step of {ids} entry ids does not fit the kernel's int32 kv_indptr "
+                             "(fewer requests sharing a cached prefix at once: lower max_running_requests)")
+        self.indices = self.kv_indices if fixed else torch.empty(ids + 1, dtype=torch.int64, device=self.device)
         if width > 0:
             if self.use_triton:
                 grid = (n, triton.cdiv(width, COPY_BLOCK))
-                _copy_rows_kernel[grid](data, base, lens, self.kv_indptr, safe, self.kv_indices, B, H, L,
+                _copy_rows_kernel[grid](data, base, lens, self.kv_indptr, safe, self.indices, B, H, L,
                                         BLOCK=COPY_BLOCK)
             else:
                 self._copy_rows_torch(data, base, safe, lens, width, B)
@@ -212,8 +226,8 @@ class FlattenedStep:
         at = (base.index_select(0, safe)[..., None] + columns).clamp(max=data.shape[0] - 1)
         rows = data[at].permute(1, 0, 2, 3).reshape(L * B * H, width)
         held = columns < lens[:, None]
-        dest = torch.where(held, self.kv_indptr[: L * B * H, None].to(torch.int64) + columns, self.kv_indices.shape[0] - 1)
-        self.kv_indices.index_put_((dest.reshape(-1),), rows.reshape(-1).to(torch.int64))
+        dest = torch.where(held, self.kv_indptr[: L * B * H, None].to(torch.int64) + columns, self.indices.shape[0] - 1)
+        self.indices.index_put_((dest.reshape(-1),), rows.reshape(-1).to(torch.int64))
 
     def attend(self, layer: int, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float,
                out: torch.Tensor) -> torch.Tensor:
@@ -231,6 +245,6 @@ class FlattenedStep:
             lse = self.attn_lse.new_empty(R, G, S)
         return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
                       head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                      kv_indptr=self.kv_indptr[first: first + R + 1], kv_indices=self.kv_indices,
+                      kv_indptr=self.kv_indptr[first: first + R + 1], kv_indices=self.indices,
                       num_kv_splits=self.num_kv_splits[first: first + R], attn_logits=logits, attn_lse=lse,
                       empty=self.empty[first: first + R], spare_q=self._q, out=out)

@@ -45,6 +45,7 @@ _BASE_ATTN = "sglang.srt.layers.attention.base_attn_backend"
 _SCHED = "sglang.srt.managers.scheduler"
 _POOL = "sglang.srt.mem_cache.memory_pool"
 _RADIX = "sglang.srt.mem_cache.radix_cache"
+_GRAPHS = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 
 SGLANG_API: tuple[ApiName, ...] = (
     # plugin hooks
@@ -212,6 +213,8 @@ SGLANG_API: tuple[ApiName, ...] = (
     ApiName(_BASE_ATTN, "AttentionBackend.get_cuda_graph_seq_len_fill_value", "method", ("self",)),
     ApiName(_BASE_ATTN, "AttentionBackend.init_forward_metadata_out_graph", "method",
             ("self", "forward_batch", "in_capture")),
+    # a decode step whose rows share more ids than the graphs' buffer runs eagerly (ragged_decode.graph_fits_hook)
+    ApiName(_GRAPHS, "DecodeCudaGraphRunner.can_run_graph", "method", ("self", "forward_batch")),
     ApiName(_POOL, "ReqToTokenPool.size", "field"),
     ApiName(_POOL, "NoOpMHATokenToKVPool._finalize_allocation_log", "method", ("self", "num_tokens")),
     ApiName(_POOL, "MHATokenToKVPool.layer_num", "field"),

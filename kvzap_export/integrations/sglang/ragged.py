@@ -37,7 +37,8 @@ from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.scoring import check_hidden_states
 from kvzap_export.integrations.sglang.api import api, sglang_module
 from kvzap_export.integrations.sglang.ragged_decode import ENV as ENV_DECODE
-from kvzap_export.integrations.sglang.ragged_decode import BufferedDecode, DecodeBuffers, decode_kernel, write_entries
+from kvzap_export.integrations.sglang.ragged_decode import (BufferedDecode, DecodeBuffers, decode_kernel,
+                                                          graph_fits_hook, write_entries)
 from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_rows import Step, StoreRows, build_step
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
@@ -45,6 +46,17 @@ from kvzap_export.integrations.sglang.runtime import KVzapSGLang
 log = logging.getLogger(__name__)
 
 BACKEND = "kvzap_ragged"
+QUANTILE_MAX = 1 << 24  # the most elements torch.quantile takes
+
+
+def fraction_threshold(scores: torch.Tensor, fraction: float) -> float | None:
+    """The quantile of ``scores`` (flat; NaN: not tested) below which ``fraction`` of them lie; None when every one is
+    NaN. Past ``QUANTILE_MAX`` scores (a 64k prompt on Llama-3.1-8B has 16.8M) every k-th one, evenly spaced, stands for
+    them (``KVZAP_PRUNED_FRACTION`` is a benchmark setting). One host read."""
+    if scores.numel() > QUANTILE_MAX:
+        scores = scores[:: -(-scores.numel() // QUANTILE_MAX)]
+    tau = torch.nanquantile(scores, fraction)
+    return None if bool(tau.isnan()) else float(tau)
 
 
 class RaggedKVzapSGLang(KVzapSGLang):
@@ -120,8 +132,7 @@ class RaggedKVzapSGLang(KVzapSGLang):
         """A benchmark setting (``KVZAP_PRUNED_FRACTION``, for models whose scores mean nothing, e.g. dummy weights):
         τ becomes the quantile of the first decided prompts' scores (outside the window) below which that fraction
         lies, once, before their decision; one host read, one log line."""
-        scores = store.prompt_scores(prompts, self.policy.window)
-        tau = float(torch.nanquantile(scores, self.pruned_fraction)) if bool((~scores.isnan()).any()) else None
+        tau = fraction_threshold(store.prompt_scores(prompts, self.policy.window), self.pruned_fraction)
         if tau is None:  # prompts within the window: the next ones set it
             return
         self.policy = dataclasses.replace(self.policy, threshold=tau)
@@ -193,6 +204,7 @@ def backend_class(parts: RaggedParts):
             self.max_requests = int(requests.size)
             self.group = int(model_runner.model_config.num_attention_heads) // self.store.num_kv_heads  # TP 1 here
             self.decode_buffers: DecodeBuffers | None = None  # SGLang's kernel's step buffers, made at the first need
+            self.told_eager = False  # decode_fits_graph's line
             parts.backend = self
 
         def _lay_out(self, step: "Step | BufferedDecode | None") -> None:
@@ -232,6 +244,18 @@ def backend_class(parts: RaggedParts):
                                 "budget set aside for them", built / 2**20, (built - planned) / 2**20)
             return self.decode_buffers
 
+        def decode_fits_graph(self) -> bool:
+            """Whether the decode step laid out for the next forward fits the graphs' id buffer (``graph_fits_hook``);
+            the first that does not is logged."""
+            plan = self.rows.plan
+            if plan is None or self.decode_buffers is None or self.decode_buffers.fits_graph(plan[0]):
+                return True
+            if not self.told_eager:
+                self.told_eager = True
+                log.warning("KVzap ragged mode: a decode step's rows share more entries than a CUDA graph's id buffer "
+                            "holds (requests sharing a cached prefix); such steps run eagerly")
+            return False
+
         # ---- CUDA graphs (decode): SGLang's DecodeCudaGraphRunner calls these ----
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
             if self.decode_kernel != "sglang":
@@ -260,7 +284,7 @@ def backend_class(parts: RaggedParts):
                 self._lay_out(buffers.capture_layout(forward_batch.batch_size))
                 return
             rows, _, new_ids = self.rows.take_plan([int(n) for n in forward_batch.seq_lens_cpu.tolist()], padded=True)
-            self._lay_out(buffers.layout(rows, new_ids, forward_batch.batch_size))
+            self._lay_out(buffers.layout(rows, new_ids, forward_batch.batch_size, graphed=True))
             self.store.graph_replays += 1  # the readings' count of decode steps that replay a CUDA graph
 
         @counted("forward")
@@ -348,6 +372,8 @@ def register(register_hook, kind, one_line) -> RaggedParts:
     register_hook(api("create_tree_cache").target, one_line(ragged_radix.tree_cache_hook), kind.AROUND)
     register_hook(api("alloc_for_extend").target, ragged_radix.extend_prefixes_hook, kind.BEFORE)
     register_hook(api("Scheduler.get_new_batch_prefill").target, ragged_radix.prefill_hold_hook, kind.AROUND)
+    register_hook(api("DecodeCudaGraphRunner.can_run_graph").target, functools.partial(graph_fits_hook, parts),
+                  kind.AFTER)
     backend = backend_class(parts)
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

@@ -113,9 +113,20 @@ class DecodeBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
-    def layout(self, rows: list[int], new_ids: torch.Tensor, batch: int | None = None) -> BufferedDecode:
+    def ids(self, rows: list[int]) -> int:
+        """At least the entry ids the rows ``rows`` hold over every layer and head (the host mirror: an upper bound)."""
+        return int(self.store.lengths_host[self.store.slots_host(rows)].sum()) if rows else 0
+
+    def fits_graph(self, rows: list[int]) -> bool:
+        """Whether a decode step of ``rows`` fits the ids a CUDA graph reads (rows sharing a cached prefix may hold
+        more ids than the pool has entries: such a step runs eagerly, ``graph_fits_hook``)."""
+        return self.flat.fits(self.ids(rows))
+
+    def layout(self, rows: list[int], new_ids: torch.Tensor, batch: int | None = None,
+               graphed: bool = False) -> BufferedDecode:
         """Lays out a decode step of the requests ``rows`` (the store's rows, in the forward's order; each appended one
-        token: ``new_ids`` int64 [L, H, len(rows)]), padded to ``batch`` rows (default: no padding)."""
+        token: ``new_ids`` int64 [L, H, len(rows)]), padded to ``batch`` rows (default: no padding). ``graphed``: a CUDA
+        graph's replay, which reads the fixed ids only (an eager step past them gets its own)."""
         n = len(rows)
         batch = n if batch is None else batch
         if not 0 < batch <= self.max_batch or n > batch:
@@ -129,14 +140,28 @@ class DecodeBuffers:
         self.slots[:batch].copy_(upload(self.store.device, slots)[0])
         self.new_ids[:, :, :n].copy_(new_ids)
         self.new_ids[:, :, n:batch].fill_(self.store.scratch)
-        width = max(self.store.widths(rows)) if n else 0
-        self.flat.fill(self.store.table, self.store.lengths, self.slots[:batch], width)
+        # the longest row (the torch copy pads to it) and every row's ids (which buffer they fit): one host read
+        held = self.store.lengths_host[self.store.slots_host(rows)] if n else torch.zeros(1, dtype=torch.int64)
+        width, ids = torch.stack([held.max(), held.sum()]).tolist()
+        if graphed and not self.flat.fits(ids):  # graph_fits_hook sends such a step to the eager path
+            raise RuntimeError(f"KVzap ragged mode: a replayed decode step's rows hold up to {ids} entry ids, the "
+                               f"graphs' buffer {self.flat.kv_indices.shape[0] - 1}")
+        self.flat.fill(self.store.table, self.store.lengths, self.slots[:batch], width, ids)
         return BufferedDecode(self.new_ids[:, :, :batch])
 
     def capture_layout(self, batch: int) -> BufferedDecode:
         """A batch of ``batch`` padding rows (SGLang's capture batch)."""
-        return self.layout([], self.new_ids[:, :, :0], batch)
+        return self.layout([], self.new_ids[:, :, :0], batch, graphed=True)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s attention of q [B, q_heads, D] (B: the laid-out batch) into ``out`` [B, q_heads, Dv]."""
         return self.flat.attend(layer, q, self.store.k, self.store.v, scale, out)
+
+
+def graph_fits_hook(parts, result, runner, forward_batch, *args, **kwargs):
+    """AFTER ``DecodeCudaGraphRunner.can_run_graph`` (``parts``: the process's ``RaggedParts``, bound at registration):
+    a ragged decode step whose rows hold more entry ids than a graph's fixed buffer (requests sharing a cached prefix
+    each list its entries) runs eagerly instead (the backend's ``decode_fits_graph``, which says so once). The backend
+    comes from ``parts``, not the runner: SGLang may hand the runner a wrapper of it."""
+    fits = getattr(parts.backend, "decode_fits_graph", None)
+    return False if result and fits is not None and not fits() else None

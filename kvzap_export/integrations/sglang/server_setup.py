@@ -71,8 +71,8 @@ def prefill_graphs_default(server_args, previous) -> None:
         return
     overrides.declare_resolution(server_args, "kvzap_ragged_prefill_graphs", cuda_graph_config=graphs.with_phase(
         config, graphs.Phase.PREFILL, backend=graphs.Backend.DISABLED))
-    log.info("KVzap ragged mode: prefill CUDA graphs off (SGLang's default was %s; ragged mode lays each prompt out in "
-             "Python); decode graphs as SGLang set them", config.prefill.backend)
+    log.warning("KVzap ragged mode: prefill CUDA graphs off (SGLang's default was %s; ragged mode lays each prompt out "
+                "in Python); decode graphs as SGLang set them", config.prefill.backend)
 
 
 RAGGED_TREE = "KVzapRaggedRadixCache"  # ragged_radix.py's tree (ragged mode's radix cache)

@@ -180,6 +180,8 @@ def test_ragged_mode_turns_sglangs_default_prefill_graphs_off_in_its_argument_re
     assert out["prefill"] == expected and out["decode"] == "full", out
     turned_off = [line for line in out["log"] if "prefill CUDA graphs off" in line]
     assert len(turned_off) == (1 if expected == "disabled" else 0), out["log"]
+    # at warning: the driver launches SGLang with log_level="warning", and a user should see why graphs are off
+    assert all(line.startswith("WARNING:") for line in turned_off), turned_off
 
 
 def test_a_wrong_plugin_setting_stops_the_engine_before_it_serves(qwen3, tmp_path):

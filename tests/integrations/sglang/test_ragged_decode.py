@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvzap_export.integrations.host_reads import Transfers
+from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.sglang.ragged_rows import StoreRows
 from kvzap_export.integrations.sglang.ragged_decode import DecodeBuffers, write_entries
@@ -184,3 +185,59 @@ def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eage
             torch.testing.assert_close(out[layer, : len(rows)].float(), want.float(), atol=2e-2, rtol=2e-2)
         store.decide_decode(run.rows, 0.0, WINDOW)
     assert store.table.relocated + store.table.packs > moved, "no row outgrew its capacity: the test proves less"
+
+
+def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_over_ids_of_their_own(kernels):
+    """Requests that adopted one cached prefix (SGLang's radix cache) each list its entries, so a step's rows can hold
+    more entry ids than the pool has entries (here 4 x 31 x 4 = 496 ids of 160 entries). A graph's replay of such a
+    step is refused (``graph_fits_hook`` sends it to the eager path); eagerly it attends over ids of its own, equal to
+    the formula, and the graphs' buffer stays in place."""
+    layers, prefix = 2, 30
+    store = SharedRaggedStore(layers * HEADS * 40, layers, HEADS, DIM, rows=4, width=8, slots=64, device=DEVICE)
+    run = Run.__new__(Run)  # only its random K/V writer
+    run.g, run.layers, run.device, run.dtype = torch.Generator().manual_seed(5), layers, DEVICE, torch.float32
+    run.store = store
+    new = store.append([0], [prefix])
+    run.write(new)
+    assert store.record([0], [prefix], torch.arange(1, prefix + 1), new) == prefix
+    for row in (1, 2, 3):
+        store.adopt(row, torch.arange(1, prefix + 1))
+    rows = [0, 1, 2, 3]
+    new = store.append(rows, [1] * len(rows))
+    run.write(new)
+    buffers = DecodeBuffers(store, 5, GROUP, torch.float32, kernels=kernels, max_kv_splits=2, small_batch_splits=4)
+    fixed = buffers.flat.kv_indices.data_ptr()
+    assert buffers.ids(rows) == len(rows) * (prefix + 1) * layers * HEADS > store.capacity
+    assert not buffers.fits_graph(rows) and buffers.fits_graph(rows[:1])
+    with pytest.raises(RuntimeError, match="graphs' buffer"):
+        buffers.layout(rows, new, 5, graphed=True)
+    buffers.layout(rows, new, 5)
+    assert buffers.flat.indices.data_ptr() != fixed == buffers.flat.kv_indices.data_ptr()
+    slots = store.slots(rows)
+    for layer in range(layers):
+        q = run.randn(5, HEADS * GROUP, DIM)
+        out = buffers.attend(layer, q, 0.3, torch.empty(5, HEADS * GROUP, DIM, device=DEVICE))
+        width = store.widths(rows)[layer]
+        want = ragged_decode_attention(q[:4], store.k, store.v, store.layer_ids(slots, layer, width),
+                                       store.lengths[slots, layer], 0.3)
+        torch.testing.assert_close(out[:4], want, **F32)
+    buffers.layout(rows[:1], new[:, :, :1], 2, graphed=True)  # a step that fits goes back to the graphs' buffer
+    assert buffers.flat.indices.data_ptr() == fixed
+
+
+def test_only_a_step_past_the_graphs_ids_is_sent_to_the_eager_path():
+    """The AFTER hook on SGLang's ``DecodeCudaGraphRunner.can_run_graph``: False only where SGLang would replay and
+    the ragged backend (the process's, whatever object the runner holds) says the step does not fit; SGLang's own
+    refusals and a process without the backend are left alone."""
+    from types import SimpleNamespace
+
+    from kvzap_export.integrations.sglang.ragged_decode import graph_fits_hook
+
+    def parts(fits):
+        return SimpleNamespace(backend=SimpleNamespace(decode_fits_graph=lambda: fits))
+
+    runner = SimpleNamespace(attn_backend=object())  # e.g. a wrapper SGLang built around the backend
+    assert graph_fits_hook(parts(False), True, runner, None) is False
+    assert graph_fits_hook(parts(True), True, runner, None) is None
+    assert graph_fits_hook(parts(False), False, runner, None) is None
+    assert graph_fits_hook(SimpleNamespace(backend=None), True, runner, None) is None
