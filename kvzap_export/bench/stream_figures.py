@@ -11,7 +11,9 @@ what KVzap's decisions left). From them:
   inter-token latency (the time between a request's consecutive step ends from there on), p50 / p90 over requests
   and tokens;
 - concurrency: the most requests in one decode step (``max_running``);
-- memory: K/V entries (one token of one KV head of one layer) a request holds at the step end that ended its
+- memory, over every tensor-parallel rank (each holds its own KV heads; summed step by step, the ranks running the
+  same steps; where their readings do not show the same step ends, each rank's own busiest step, an upper bound): K/V
+  entries (one token of one KV head of one layer) a request holds at the step end that ended its
   prompt (its last extend step before its first decode step: where KVzap decided the prompt; mean), the pool's entries
   held for running requests at the busiest step (with SGLang's radix cache on, less what its tree keeps of ended
   requests; a shared prefix counts once here, in every request that holds it in the per-request figures), and
@@ -77,18 +79,64 @@ def _logical(line: dict) -> int:
     return line.get("logical_length", line.get("seq_len", line["prompt_tokens"] + line["output_tokens"]))
 
 
+def _steps(readings: list[dict]) -> list[list[dict]]:
+    """The step ends of one rank's readings, in order, each its lines."""
+    by_time: dict[float, list[dict]] = defaultdict(list)
+    for line in readings:
+        if line.get("event") != "idle":
+            by_time[line["t"]].append(line)
+    return [by_time[t] for t in sorted(by_time)]
+
+
+def _memory(steps: list[list[dict]]) -> dict:
+    """One rank's memory figures (module docstring) from its step ends: the entries each request held at the end of
+    its prompt and at its last step, and what a dense cache holds then; the pool's size; per step, the entries held
+    for running requests and every buffer's bytes."""
+    per_token = steps[0][0]["layers"] * steps[0][0]["kv_heads"]
+    by_rid: dict[str, list[dict]] = defaultdict(list)
+    for lines in steps:
+        for line in lines:
+            by_rid[line["rid"]].append(line)
+    last = [lines[-1] for lines in by_rid.values()]
+    # At a step end a dense cache holds the request's logical length in that forward: its prompt and every token sampled
+    # before this step, the last one this step's input (stats.py: KVzap's ``logical_length`` where it decided for the
+    # request, else SGLang's ``seq_len``; readings from before those were written: the counts, which under the overlap
+    # scheduler may lack the previous step's token).
+    return {"after_prefill": {rid: _held(_prompt_end(lines)) for rid, lines in by_rid.items()},
+            "held_last": sum(_held(line) for line in last), "dense_last": sum(_logical(line) * per_token for line in last),
+            "pool": steps[0][0].get("head_slots_pool", steps[0][0]["pool_slots"] * per_token),
+            "per_step": [(_pool_held(lines[0], per_token), lines[0].get("bytes", {})) for lines in steps]}
+
+
+def _ranks_memory(readings: list[dict]) -> dict:
+    """The memory figures summed over the tensor-parallel ranks whose readings ``readings`` holds (step by step: every
+    rank runs the same steps), with the busiest step's."""
+    ranks = sorted({r.get("tp_rank", 0) for r in readings})
+    each = [_memory(_steps([r for r in readings if r.get("tp_rank", 0) == rank])) for rank in ranks]
+    if len({len(m["per_step"]) for m in each}) > 1:  # not the same step ends: each rank's own busiest (an upper bound)
+        steps = [[max(m["per_step"], key=lambda step: step[0])] for m in each]
+    else:
+        steps = [m["per_step"] for m in each]
+    per_step = [(sum(held for held, _ in step), {k: sum(b.get(k, 0) for _, b in step) for k in step[0][1]})
+                for step in zip(*steps)]
+    peak, busiest = max(per_step, key=lambda step: step[0])
+    rids = each[0]["after_prefill"]
+    return {"after_prefill": statistics.mean(sum(m["after_prefill"].get(rid, 0) for m in each) for rid in rids),
+            "freed": 1.0 - sum(m["held_last"] for m in each) / sum(m["dense_last"] for m in each),
+            "pool": sum(m["pool"] for m in each), "peak": peak, "bytes": busiest}
+
+
 def run_figures(result: dict) -> dict:
     """The figures of one run (see the module docstring) from the driver's stream result."""
-    # Under tensor parallelism every rank writes its own lines (its own KV heads): the figures are tensor-parallel
-    # rank 0's (its steps are every rank's; its memory figures are its heads').
+    # Under tensor parallelism every rank writes its own lines (its own KV heads): the steps are timed from
+    # tensor-parallel rank 0's (every rank runs them), the memory figures summed over the ranks.
     readings = [r for r in result["readings"] if r.get("tp_rank", 0) == 0]
-    if len({r.get("dp_rank") for r in readings}) > 1:
+    if len({r.get("dp_rank") for r in result["readings"]}) > 1:
         raise ValueError("the readings come from several data-parallel replicas: the figures time one scheduler's steps "
                          "(run the benchmark without dp_size)")
     steps = [r for r in readings if r.get("event") != "idle"]
     if not steps:
         raise ValueError("the run left no step readings (KVZAP_STATS): was the plugin loaded by the engine?")
-    per_token = steps[0]["layers"] * steps[0]["kv_heads"]
     by_time: dict[float, list[dict]] = defaultdict(list)
     by_rid: dict[str, list[dict]] = defaultdict(list)
     for line in steps:
@@ -119,16 +167,7 @@ def run_figures(result: dict) -> dict:
             extend_s += b - a
             extend_tokens += prompts
             extend_steps.append({"prompts": len(lines), "prompt_tokens": prompts, "seconds": b - a})
-    last = [lines[-1] for lines in by_rid.values()]
-    # At a step end a dense cache holds the request's logical length in that forward: its prompt and every token sampled
-    # before this step, the last one this step's input (stats.py: KVzap's ``logical_length`` where it decided for the
-    # request, else SGLang's ``seq_len``; readings from before those were written: the counts, which under the overlap
-    # scheduler may lack the previous step's token).
-    dense_last = sum(_logical(line) * per_token for line in last)
-    held_last = sum(_held(line) for line in last)
-    busiest = max(steps, key=lambda line: _pool_held(line, per_token))
-    peak = _pool_held(busiest, per_token)
-    pool = steps[0].get("head_slots_pool", steps[0]["pool_slots"] * per_token)
+    memory = _ranks_memory([r for r in result["readings"] if r.get("event") != "idle"])
     replays = [int(r["decode_graph_replays"]) for r in readings if r.get("decode_graph_replays") is not None]
     taus = [float(r["threshold"]) for r in readings if r.get("threshold") is not None]
     cached = [r["cached_tokens"] for r in finished if r.get("cached_tokens") is not None]
@@ -139,9 +178,8 @@ def run_figures(result: dict) -> dict:
         "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p90_s": _percentile(ttft, 0.9),
         "itl_p50_s": _percentile(itl, 0.5), "itl_p90_s": _percentile(itl, 0.9),
         "max_running": max(decode_sizes, default=0),
-        "kv_held_after_prefill": statistics.mean(_held(_prompt_end(lines)) for lines in by_rid.values()),
-        "kv_pool_entries": pool, "kv_peak_entries": peak, "freed_at_peak": 1.0 - held_last / dense_last,
-        "bytes": busiest.get("bytes", {}),
+        "kv_held_after_prefill": memory["after_prefill"], "kv_pool_entries": memory["pool"],
+        "kv_peak_entries": memory["peak"], "freed_at_peak": memory["freed"], "bytes": memory["bytes"],
         "decode_step_s": {str(n): statistics.median(v) for n, v in sorted(decode_steps.items())},
         "decode_steps": {str(n): len(v) for n, v in sorted(decode_steps.items())},
         "prefill_s_per_1k_tokens": 1000 * extend_s / extend_tokens if extend_tokens else None,

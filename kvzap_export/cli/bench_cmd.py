@@ -91,9 +91,9 @@ def _table(title: str, rows: list[dict]):
                    "load format, the KV budget, the running cap, attention backends, the radix cache and the overlap "
                    "scheduler through its own options. On a GPU without flashinfer: --engine-arg sampling_backend=pytorch.")
 @click.option("--tp-size", default=1, show_default=True, type=click.IntRange(min=1), metavar="N",
-              help="With --engine: SGLang's tensor parallelism (its --tp-size) in every launch; the figures are rank "
-                   "0's (its steps are every rank's; its memory figures its own KV heads'). On the CPU engine the ranks "
-                   "split this machine's cores.")
+              help="With --engine: SGLang's tensor parallelism (its --tp-size) in every launch; steps are timed from "
+                   "rank 0's readings (every rank runs them), memory figures summed over the ranks (each holds its own "
+                   "KV heads). On the CPU engine the ranks split this machine's cores.")
 @click.option("--save-runs", default=None, type=click.Path(), metavar="FILE",
               help="With --engine: append the settings, then each run's record (or error) as a JSON line to FILE as soon "
                    "as it is done, so that a benchmark cut short keeps what ran.")

@@ -195,12 +195,24 @@ def test_ragged_readings_give_the_replay_count_and_the_tau_in_effect():
     assert entry["decode_graph_replays"]["median"] == 5 and entry["pruned_fraction"] == 0.7
 
 
-def test_under_tensor_parallelism_the_figures_are_rank_zeros():
-    """Every rank writes its own lines (its own KV heads); the figures come from tensor-parallel rank 0's alone: the
-    other rank's lines, here with other pool figures, change nothing."""
+def test_under_tensor_parallelism_steps_are_rank_zeros_and_memory_is_every_ranks():
+    """Every rank writes its own lines (its own KV heads): the steps are timed from tensor-parallel rank 0's, the
+    memory figures summed over the ranks step by step (rank 1 here: the same requests, 1 entry held in its pool at
+    every step, its own pool and buffers)."""
     one = result(ragged=True)
     two = result(ragged=True)
     two["readings"] = [{**r, "tp_rank": 0} for r in one["readings"]] + [
         {**r, "tp_rank": 1, "t": r["t"] + 0.01, **({"head_slots_held": 1} if "head_slots_held" in r else {})}
         for r in one["readings"]]
-    assert run_figures(two) == run_figures(one)
+    alone, both = run_figures(one), run_figures(two)
+    memory = {"kv_held_after_prefill": 2 * 27, "kv_pool_entries": 2 * 600, "kv_peak_entries": 78 + 1,
+              "bytes": {"sglang_kv": 2 * 1000}, "freed_at_peak": alone["freed_at_peak"]}
+    assert both == {**alone, **memory}
+    lopsided = result(ragged=True)
+    lopsided["readings"] = [{**r, "tp_rank": 0} for r in one["readings"]] + [
+        {**r, "tp_rank": 1, "row_head_slots": 0} for r in one["readings"] if "rid" in r]
+    # r0 holds 48 + 0 of (13 + 13) * 6 at its last step, r1 36 + 0 of (12 + 12) * 6
+    assert run_figures(lopsided)["freed_at_peak"] == pytest.approx(1 - (48 + 36) / (26 * LH + 24 * LH))
+    uneven = result(ragged=True)
+    uneven["readings"] = two["readings"][:-2]  # rank 1 lacks its last step end: each rank's own busiest step
+    assert run_figures(uneven)["kv_peak_entries"] == 78 + 1
