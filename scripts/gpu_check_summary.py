@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -290,18 +289,9 @@ def _gpu_name() -> str:
 
 def _commit() -> str | None:
     """The checkout's commit ($GPU_CHECK_COMMIT when set: a copied tree whose git metadata is not its own)."""
-    if os.environ.get("GPU_CHECK_COMMIT"):
-        return os.environ["GPU_CHECK_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parents[1])
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    return done.stdout.strip() + ("+uncommitted changes" if dirty else "")
+    from kvzap_export.provenance import checkout_commit
+
+    return os.environ.get("GPU_CHECK_COMMIT") or checkout_commit(Path(__file__).resolve().parents[1])
 
 
 def _fmt(value) -> str:

@@ -6,6 +6,8 @@ import datetime
 import sys
 from collections.abc import Callable
 
+from kvzap_export.provenance import checkout_commit, command_line
+
 SCHEMA = "kvzap-export-bench/1"
 
 
@@ -55,7 +57,8 @@ def run_bench(device: str = "cpu", only: tuple[str, ...] | None = None, progress
         "machine": machine(device),
         "device": device,
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["kvzap-export", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("kvzap-export") else "kvzap-export bench",
+        "command": command_line() if sys.argv and sys.argv[0].endswith("kvzap-export") else "kvzap-export bench",
+        "commit": checkout_commit(),
         "torch": torch.__version__,
         "results": results,
         "errors": errors,  # suites that raised: the command exits 1 after writing what the others measured

@@ -8,6 +8,7 @@ import json
 import click
 
 from kvzap_export.errors import ConfigError
+from kvzap_export.provenance import checkout_commit, command_line
 
 
 def _fmt(spread: dict, digits: int = 3) -> str:
@@ -159,7 +160,7 @@ def run_engine_bench(bundle, model, python, requests, prompt_tokens, new_tokens,
                           pruned_fractions=fractions, load_format=load_format, device=device, dense_overlap=dense_overlap,
                           on_run=on_run)
     report = {"schema": SCHEMA, "machine": name, "device": device, "date": datetime.date.today().isoformat(),
-              "command": "kvzap-export bench --engine sglang", **result}
+              "command": command_line(), "commit": checkout_commit(), **result}
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -74,8 +74,10 @@ def fetch(requirement: Requirement, cache: Path, offline: bool = False) -> Path:
 
 
 def git_commit() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    sys.path.insert(0, str(REPO))  # the checkout's package, installed or not
+    from kvzap_export.provenance import checkout_commit
+
+    return checkout_commit(REPO) or "unknown"
 
 
 def build(out: Path, cache: Path, limit_bytes: int, offline: bool = False) -> dict:

@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,8 +43,9 @@ def say(message: str) -> None:
 
 
 def git_commit() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    from kvzap_export.provenance import checkout_commit
+
+    return checkout_commit(REPO) or "unknown"
 
 
 def prepare(out: Path, limit: int, seed: int = 0) -> dict:

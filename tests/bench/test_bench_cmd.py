@@ -11,7 +11,7 @@ def test_compaction_suite_json_schema(capsys):
     assert main(["bench", "--only", "compaction", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["schema"] == "kvzap-export-bench/1"
-    assert {"machine", "device", "date", "command", "torch", "results"} <= set(report)
+    assert {"machine", "device", "date", "command", "commit", "torch", "results"} <= set(report)
     rows = report["results"]["compaction"]
     assert list(report["results"]) == ["compaction"]
     assert {r["seq"] for r in rows} == {4096, 32768, 131072}
