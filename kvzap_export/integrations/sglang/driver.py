@@ -126,14 +126,21 @@ def _core_ranges(cores: list[int]) -> str:
     return ",".join(out)
 
 
+def read_readings(path: Path) -> list[dict]:
+    """The reading lines written to ``path`` so far. Each write appends whole lines at once (stats.py), but a read
+    while a scheduler writes (e.g. its idle reading after the last request) may see the end of that write cut short:
+    only lines ending in a newline count."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
 def _last_reading(path: Path, rid: str) -> dict | None:
     """The last reading of request ``rid``: tensor-parallel rank 0's, with ``ranks`` (each rank's last, by rank) when
     more than one rank wrote (each holds its own KV heads)."""
-    if not path.is_file():
-        return None
     last: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        entry = json.loads(line)
+    for entry in read_readings(path):
         if entry.get("rid") == rid:
             last[int(entry.get("tp_rank") or 0)] = entry
     if not last:
@@ -266,7 +273,7 @@ def stream(spec: dict) -> dict:
         info = engine.get_server_info() if spec.get("server_info") else None
     finally:
         engine.shutdown()
-    readings = [json.loads(line) for line in stats.read_text().splitlines()] if stats.is_file() else []
+    readings = read_readings(stats)
     out = {"engine": _engine_info(spec, launch_s, engine), "stream": results, "readings": readings, "wall_seconds": wall,
            "gpu_memory": memory}
     if info is not None:

@@ -97,3 +97,15 @@ def test_cpu_ranks_get_their_share_of_the_cores_and_a_fixed_pool(monkeypatch):
     with pytest.raises(SystemExit, match="6 engine ranks need at least 6 cores"):
         driver.bind_cpu_ranks({"tp_size": 2, "dp_size": 3})
     assert driver._core_ranges([0, 1, 2, 5]) == "0-2,5" and driver._core_ranges([3]) == "3"
+
+
+def test_a_reading_line_still_being_written_is_not_read(tmp_path):
+    """The driver reads the readings while the engine runs (a request's last reading after each run); a scheduler may
+    be appending its idle reading then: a line without its newline yet is left for a later read."""
+    from kvzap_export.integrations.sglang.driver import _last_reading, read_readings
+
+    path = tmp_path / "readings.jsonl"
+    assert read_readings(path) == [] and _last_reading(path, "a") is None
+    path.write_text('{"rid": "a", "t": 1, "tp_rank": 0}\n{"rid": "a", "t": 2, "tp_rank": 0}\n{"event": "idle", "t": 3, "po')
+    assert [r["t"] for r in read_readings(path)] == [1, 2]
+    assert _last_reading(path, "a")["t"] == 2
