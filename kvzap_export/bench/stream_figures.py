@@ -88,15 +88,21 @@ def _steps(readings: list[dict]) -> list[list[dict]]:
     return [by_time[t] for t in sorted(by_time)]
 
 
+def _by_rid(steps: list[list[dict]]) -> dict[str, list[dict]]:
+    """Each request's lines, in step order."""
+    by_rid: dict[str, list[dict]] = defaultdict(list)
+    for lines in steps:
+        for line in lines:
+            by_rid[line["rid"]].append(line)
+    return by_rid
+
+
 def _memory(steps: list[list[dict]]) -> dict:
     """One rank's memory figures (module docstring) from its step ends: the entries each request held at the end of
     its prompt and at its last step, and what a dense cache holds then; the pool's size; per step, the entries held
     for running requests and every buffer's bytes."""
     per_token = steps[0][0]["layers"] * steps[0][0]["kv_heads"]
-    by_rid: dict[str, list[dict]] = defaultdict(list)
-    for lines in steps:
-        for line in lines:
-            by_rid[line["rid"]].append(line)
+    by_rid = _by_rid(steps)
     last = [lines[-1] for lines in by_rid.values()]
     # At a step end a dense cache holds the request's logical length in that forward: its prompt and every token sampled
     # before this step, the last one this step's input (stats.py: KVzap's ``logical_length`` where it decided for the
@@ -134,15 +140,11 @@ def run_figures(result: dict) -> dict:
     if len({r.get("dp_rank") for r in result["readings"]}) > 1:
         raise ValueError("the readings come from several data-parallel replicas: the figures time one scheduler's steps "
                          "(run the benchmark without dp_size)")
-    steps = [r for r in readings if r.get("event") != "idle"]
+    steps = _steps(readings)
     if not steps:
         raise ValueError("the run left no step readings (KVZAP_STATS): was the plugin loaded by the engine?")
-    by_time: dict[float, list[dict]] = defaultdict(list)
-    by_rid: dict[str, list[dict]] = defaultdict(list)
-    for line in steps:
-        by_time[line["t"]].append(line)
-        by_rid[line["rid"]].append(line)
-    times = sorted(by_time)
+    by_rid = _by_rid(steps)
+    times = [lines[0]["t"] for lines in steps]
     stream = result["stream"]
     finished = [r for r in stream if r.get("finish") != "abort"]
     out_tokens = sum(len(r["output_ids"]) for r in stream)
@@ -153,13 +155,13 @@ def run_figures(result: dict) -> dict:
     ttft = [_prompt_end(by_rid[rid])["t"] - t0 for rid, t0 in submitted.items() if by_rid.get(rid)]
     sampled = {rid: lines[lines.index(_prompt_end(lines)):] for rid, lines in by_rid.items()}
     itl = [b["t"] - a["t"] for lines in sampled.values() for a, b in zip(lines, lines[1:])]
-    decode_sizes = [len(by_time[t]) for t in times if by_time[t][0]["forward"] == "decode"]
+    decode_sizes = [len(lines) for lines in steps if lines[0]["forward"] == "decode"]
     decode_steps: dict[int, list[float]] = defaultdict(list)
     extend_s, extend_tokens, extend_steps = 0.0, 0, []
     # The first step is timed from the first submission (nothing ran before it).
     starts = [min(submitted.values())] if submitted else []
-    for a, b in zip(starts + times, times if starts else times[1:]):
-        lines = by_time[b]
+    for a, lines in zip(starts + times, steps if starts else steps[1:]):
+        b = lines[0]["t"]
         if lines[0]["forward"] == "decode":
             decode_steps[len(lines)].append(b - a)
         else:
@@ -167,7 +169,7 @@ def run_figures(result: dict) -> dict:
             extend_s += b - a
             extend_tokens += prompts
             extend_steps.append({"prompts": len(lines), "prompt_tokens": prompts, "seconds": b - a})
-    memory = _ranks_memory([r for r in result["readings"] if r.get("event") != "idle"])
+    memory = _ranks_memory(result["readings"])
     replays = [int(r["decode_graph_replays"]) for r in readings if r.get("decode_graph_replays") is not None]
     taus = [float(r["threshold"]) for r in readings if r.get("threshold") is not None]
     cached = [r["cached_tokens"] for r in finished if r.get("cached_tokens") is not None]

@@ -113,14 +113,19 @@ class DecodeBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
-    def ids(self, rows: list[int]) -> int:
-        """At least the entry ids the rows ``rows`` hold over every layer and head (the host mirror: an upper bound)."""
-        return int(self.store.lengths_host[self.store.slots_host(rows)].sum()) if rows else 0
+    def extent(self, rows: list[int]) -> tuple[int, int]:
+        """(the longest row, every entry id) the rows ``rows`` hold over every layer and head, from the host mirror (an
+        upper bound) in one read."""
+        if not rows:
+            return 0, 0
+        held = self.store.lengths_host[self.store.slots_host(rows)]
+        width, ids = torch.stack([held.max(), held.sum()]).tolist()
+        return width, ids
 
     def fits_graph(self, rows: list[int]) -> bool:
         """Whether a decode step of ``rows`` fits the ids a CUDA graph reads (rows sharing a cached prefix may hold
         more ids than the pool has entries: such a step runs eagerly, ``graph_fits_hook``)."""
-        return self.flat.fits(self.ids(rows))
+        return self.flat.fits(self.extent(rows)[1])
 
     def layout(self, rows: list[int], new_ids: torch.Tensor, batch: int | None = None,
                graphed: bool = False) -> BufferedDecode:
@@ -140,9 +145,7 @@ class DecodeBuffers:
         self.slots[:batch].copy_(upload(self.store.device, slots)[0])
         self.new_ids[:, :, :n].copy_(new_ids)
         self.new_ids[:, :, n:batch].fill_(self.store.scratch)
-        # the longest row (the torch copy pads to it) and every row's ids (which buffer they fit): one host read
-        held = self.store.lengths_host[self.store.slots_host(rows)] if n else torch.zeros(1, dtype=torch.int64)
-        width, ids = torch.stack([held.max(), held.sum()]).tolist()
+        width, ids = self.extent(rows)  # the torch copy pads to the longest row; the ids pick the buffer
         if graphed and not self.flat.fits(ids):  # graph_fits_hook sends such a step to the eager path
             raise RuntimeError(f"KVzap ragged mode: a replayed decode step's rows hold up to {ids} entry ids, the "
                                f"graphs' buffer {self.flat.kv_indices.shape[0] - 1}")

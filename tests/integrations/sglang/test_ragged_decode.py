@@ -207,7 +207,7 @@ def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_over_ids_of_their_own(
     run.write(new)
     buffers = DecodeBuffers(store, 5, GROUP, torch.float32, kernels=kernels, max_kv_splits=2, small_batch_splits=4)
     fixed = buffers.flat.kv_indices.data_ptr()
-    assert buffers.ids(rows) == len(rows) * (prefix + 1) * layers * HEADS > store.capacity
+    assert buffers.extent(rows)[1] == len(rows) * (prefix + 1) * layers * HEADS > store.capacity
     assert not buffers.fits_graph(rows) and buffers.fits_graph(rows[:1])
     with pytest.raises(RuntimeError, match="graphs' buffer"):
         buffers.layout(rows, new, 5, graphed=True)
