@@ -238,9 +238,23 @@ engine_part() {
 import json, sys
 out, fused, engine, check = sys.argv[1:]
 manifest = json.load(open(f"{check}/manifest.json"))
-json.dump({"fused_op_backend": fused, "engine_dir": engine, "engine_check_commit": manifest.get("kvzap_export_commit"),
-           "parity_engine_args": "sampling_backend=pytorch mem_fraction_static=0.3",
-           "bench_engine_args": "sampling_backend=pytorch; dense on triton, overlap on"}, open(out, "w"))
+settings = {"fused_op_backend": fused, "engine_dir": engine, "engine_check_commit": manifest.get("kvzap_export_commit"),
+            "parity_engine_args": "sampling_backend=pytorch mem_fraction_static=0.3",
+            "bench_engine_args": "sampling_backend=pytorch; dense on triton, overlap on"}
+try:  # what decides the ragged extend's attention kernel and the float32 Triton math on this machine
+    import os
+    import torch
+    from torch.nn.attention import SDPBackend
+    settings.update(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                    triton_f32_default=os.environ.get("TRITON_F32_DEFAULT"))
+    for dtype in (torch.bfloat16, torch.float32):  # a folded block as ragged_attention.prefix_extend_attention calls it
+        q = torch.zeros(2, 8, 4 * 64, 128, dtype=dtype, device="cuda")
+        kv = torch.zeros(2, 8, 300, 128, dtype=dtype, device="cuda")
+        mask = torch.ones(2, 8, 4 * 64, 300, dtype=torch.bool, device="cuda")
+        settings[f"sdpa_masked_{str(dtype)[6:]}"] = SDPBackend(torch._fused_sdp_choice(q, kv, kv, mask)).name
+except Exception as error:  # a record, not a check: say what failed
+    settings["runtime_facts_error"] = f"{type(error).__name__}: {error}"
+json.dump(settings, open(out, "w"))
 PY
   local pids=() model mode
   for model in llama qwen3; do
