@@ -9,7 +9,8 @@ copies to the host (``.cpu()``, ``.to("cpu")``) are counted when the tensor is n
 
 Off unless ``KVZAP_COUNT_HOST_READS=1`` in the engine's processes: ``counted`` then wraps the serving hooks, and
 the step-end readings (``stats.py``) carry the step's counts, split into ``forward`` (the aux cache's host-side
-layout, the backend's metadata, every layer's attention and scoring) and ``step_end`` (decisions).
+layout, the backend's metadata, every layer's attention and scoring), ``step_end`` (decisions, the radix cache's
+records) and ``release`` (what SGLang's frees of rows and slots ask of the store since the step before).
 """
 
 from __future__ import annotations
@@ -130,14 +131,16 @@ def _names_device(args, kwargs) -> bool:
 class StepCounts:
     """This process's tallies since the last step end: ``add(kind, n)``, ``take()``."""
 
+    KINDS = ("forward", "step_end", "release")
+
     def __init__(self):
-        self.counts = {"forward": 0, "step_end": 0}
+        self.counts = dict.fromkeys(self.KINDS, 0)
 
     def add(self, kind: str, n: int) -> None:
         self.counts[kind] += n
 
     def take(self) -> dict:
-        out, self.counts = self.counts, {"forward": 0, "step_end": 0}
+        out, self.counts = self.counts, dict.fromkeys(self.KINDS, 0)
         return out
 
 
@@ -150,7 +153,7 @@ def tallies() -> StepCounts | None:
 
 
 def counted(kind: str):
-    """Decorator: when counting is on, the call's reads are added to ``kind`` (``forward`` or ``step_end``)."""
+    """Decorator: when counting is on, the call's reads are added to ``kind`` (``StepCounts.KINDS``)."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):

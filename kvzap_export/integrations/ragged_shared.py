@@ -41,8 +41,10 @@ class SharedRaggedStore(RaggedStore):
         super().__init__(capacity, num_layers, num_kv_heads, head_dim, v_head_dim, **kwargs)
         self.rowref = torch.zeros(capacity + 1, dtype=torch.int32, device=self.device)
         self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
-        self.slot_entries = torch.zeros(max(slots, 1), num_layers, num_kv_heads, dtype=torch.int32, device=self.device)
-        self.slot_has = torch.zeros(max(slots, 1), dtype=torch.bool, device=self.device)
+        # one row more than the engine slots they cover: a sink that never holds a record (``drop_records``)
+        self.slot_entries = torch.zeros(max(slots, 1) + 1, num_layers, num_kv_heads, dtype=torch.int32,
+                                        device=self.device)
+        self.slot_has = torch.zeros(max(slots, 1) + 1, dtype=torch.bool, device=self.device)
         self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
         # callable(short, extra=0): frees at least ``short`` more entries, and ``extra`` more where the engine's cache
@@ -162,12 +164,6 @@ class SharedRaggedStore(RaggedStore):
             # will adopt what the preempted one held): what is set aside is each admitted node's soft entries now
             self.set_aside(dict(self.pending_slots))
 
-    def _push(self, ids: torch.Tensor) -> None:
-        """Puts ``ids`` (no row, no record holds them) on the free list."""
-        n = int(ids.numel())
-        if n:
-            super()._give(ids, torch.ones_like(ids, dtype=torch.bool), n)  # a number the host knows
-
     def release(self, row: int) -> int:
         self.dense_len.pop(row, None)
         self.adopted.pop(row, None)
@@ -175,29 +171,33 @@ class SharedRaggedStore(RaggedStore):
         return super().release(row)
 
     # ---- records -------------------------------------------------------------------------------------
-    def _ensure_slots(self, top: int) -> None:
-        have = self.slot_has.shape[0]
-        if top < have:
+    @property
+    def slot_count(self) -> int:
+        """The engine slots the record tables cover (ids below this); their last row is the sink."""
+        return self.slot_has.shape[0] - 1
+
+    def ensure_slots(self, count: int) -> None:
+        """Record tables for engine slot ids below ``count`` (grown by half at least; a number the host knows)."""
+        have = self.slot_count
+        if count <= have:
             return
-        size = max(top + 1, have + have // 2)
-        entries = self.slot_entries.new_zeros(size, self.num_layers, self.num_kv_heads)
-        entries[:have] = self.slot_entries
-        has = self.slot_has.new_zeros(size)
-        has[:have] = self.slot_has
+        size = max(count, have + have // 2)
+        entries = self.slot_entries.new_zeros(size + 1, self.num_layers, self.num_kv_heads)
+        entries[:have] = self.slot_entries[:have]
+        has = self.slot_has.new_zeros(size + 1)
+        has[:have] = self.slot_has[:have]
         self.slot_entries, self.slot_has = entries, has
 
     def record(self, rows: list[int], counts: list[int], slots: torch.Tensor, new_ids: torch.Tensor,
-               exclude: set[int] = frozenset()) -> int:
+               exclude: set[int] = frozenset(), *, slots_below: int | None = None) -> int:
         """After a prefill forward: the engine slots ``slots`` [T] of its tokens (in the order of ``new_ids``
         [L, H, T], ``append``'s result for ``rows`` / ``counts``) keep their tokens' entries. Only the tokens of a row
         that was dense before this forward and is still dense (no decision yet) and whose earlier tokens are all
         recorded get records (module docstring); rows in ``exclude`` get none (the engine will never cache them).
-        Returns the tokens recorded."""
-        if not rows:
-            return 0
-        ok = []
+        ``slots_below``: a bound of the engine's slot ids the host knows (SGLang: its allocator's size); without
+        it the largest of ``slots`` is read from the device. With it, no host read. Returns the tokens recorded."""
+        ok, where, start = [], [], 0
         slots = slots.to(self.device, torch.int64)
-        start = 0
         for r, n in zip(rows, counts):
             dense = r in self.slot_of and r not in self.decided  # no decision has tested it: it holds every token
             ok.append(n > 0 and dense and r not in exclude and self.dense_len.get(r, 0) == self.logical[r] - n)
@@ -205,37 +205,41 @@ class SharedRaggedStore(RaggedStore):
                 self.dense_len[r] = self.logical[r]
                 at, before = self.unanchored.get(r, (self.logical[r] - n, slots[:0]))
                 self.unanchored[r] = (at, torch.cat([before, slots[start:start + n]]))
+                where.append(torch.arange(start, start + n))
             start += n
-        keep = torch.repeat_interleave(torch.tensor(ok), torch.tensor(counts))
-        if not bool(keep.any()):
+        kept = sum(n for n, k in zip(counts, ok) if k)
+        if not kept:
             return 0
-        if not bool(keep.all()):
-            where = upload(self.device, torch.nonzero(keep).reshape(-1))[0]
-            slots, new_ids = slots[where], new_ids[..., where]
-        self._ensure_slots(int(slots.max()))
+        if kept < start:
+            picked = upload(self.device, torch.cat(where))[0]
+            slots, new_ids = slots[picked], new_ids[..., picked]
+        self.ensure_slots(slots_below if slots_below is not None else int(slots.max()) + 1)
         self.drop_records(slots)  # a slot is recorded once (the engine reuses a slot only after freeing it)
         self.slot_entries[slots] = new_ids.permute(2, 0, 1).to(torch.int32)
         self.slot_has[slots] = True
         self.recorded[new_ids.reshape(-1)] = True
-        return int(keep.sum())
+        return kept
 
-    def drop_records(self, slots: torch.Tensor) -> int:
+    def drop_records(self, slots: torch.Tensor) -> None:
         """The engine let go of ``slots`` (or gives up their records to reclaim memory): their records end, and
-        entries no row holds are freed. Slots without a record are ignored. Returns the entries freed."""
+        entries no row holds (soft ones) are freed. Slots without a record are ignored, a slot named twice ends once.
+        On the device alone, like a decision: the host learns the entries freed from its next snapshot (until then
+        its free count is a lower bound and its soft count too high by as many: their sum, the room, stays exact)."""
         if slots.numel() == 0:
-            return 0
-        slots = slots.reshape(-1).to(self.device, torch.int64)
-        slots = slots[slots < self.slot_has.shape[0]]
-        slots = torch.unique(slots[self.slot_has[slots]])
-        if slots.numel() == 0:
-            return 0
-        ids = self.slot_entries[slots].reshape(-1).to(torch.int64)
+            return
+        sink = self.slot_count
+        slots = torch.sort(slots.reshape(-1).to(self.device, torch.int64)).values
+        slots = torch.where(slots < sink, slots, sink)  # past the tables: never recorded
+        first = torch.cat([slots.new_ones(1, dtype=torch.bool), slots[1:] != slots[:-1]])
+        ends = first & self.slot_has[slots]
         self.slot_has[slots] = False
+        spare = self.capacity  # the entry index past the pool: never recorded, never held
+        ids = torch.where(ends[:, None], self.slot_entries[slots].reshape(slots.shape[0], -1).to(torch.int64), spare)
         self.recorded[ids] = False
-        free = ids[self.rowref[ids] == 0]
-        self._soft_change(-int(free.numel()))
-        self._push(free)
-        return int(free.numel())
+        free = ends[:, None] & (self.rowref[ids] == 0)
+        self.soft_counter.sub_(free.sum())
+        RaggedStore._give(self, ids, free)
+        self.mirror.mark()
 
     def anchored(self, row: int, length: int) -> None:
         """The engine's prefix cache now holds row ``row``'s first ``length`` tokens: their records are its to evict."""
@@ -263,11 +267,11 @@ class SharedRaggedStore(RaggedStore):
         chosen = [rows[i] for i in picked]
         if not chosen:
             return 0
-        freed = self.drop_records(torch.cat([self.unanchored[r][1] for r in chosen]))
+        self.drop_records(torch.cat([self.unanchored[r][1] for r in chosen]))
         for row in chosen:
             self.dense_len[row] = self.unanchored.pop(row)[0]
         self.dropped_prompts += len(chosen)
-        return freed
+        return sum(soft[i] for i in picked)  # a record's soft entries are what its end frees
 
     def soft_per_group(self, groups: list[torch.Tensor]) -> list[int]:
         """For each group of slots, the entries of their records no row holds (``soft_per_slot`` summed), in one read
@@ -284,42 +288,65 @@ class SharedRaggedStore(RaggedStore):
         slots = slots.reshape(-1).to(self.device, torch.int64)
         if slots.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        inside = slots < self.slot_has.shape[0]
-        safe = torch.where(inside, slots, 0)
+        safe = torch.where(slots < self.slot_count, slots, self.slot_count)  # the sink holds no record
         ids = self.slot_entries[safe].reshape(slots.numel(), -1).to(torch.int64)
-        soft = (self.rowref[ids] == 0).sum(-1) * (inside & self.slot_has[safe])
+        soft = (self.rowref[ids] == 0).sum(-1) * self.slot_has[safe]
         return soft.to("cpu", torch.int64)
 
     def adopt(self, row: int, slots: torch.Tensor) -> None:
-        """A new request row starts with the recorded tokens of ``slots`` [p] (every one must have a record): its
-        row holds their entries (shared, one more reference each), as if it had computed them. Reads the device once
-        (entries that stop being soft)."""
-        p = int(slots.numel())
-        if row in self.slot_of or self.logical.get(row, 0):
-            raise InputError(f"adopt: row {row} already holds entries (only a new request adopts a prefix)")
-        if p == 0:
+        """``adopt_all`` for one row."""
+        self.adopt_all({row: slots})
+
+    def adopt_all(self, prefixes: dict[int, torch.Tensor]) -> None:
+        """New request rows start with the recorded tokens of engine slots (row -> its slots [p]; every one must have
+        a record): each row holds their entries (shared, one more reference each), as if it had computed them. One
+        read of the device for all the rows: the check that every slot holds a record, and the entries that stop
+        being soft (counted once when two rows adopt one). A failed check changes nothing."""
+        for row in prefixes:
+            if row in self.slot_of or self.logical.get(row, 0):
+                raise InputError(f"adopt: row {row} already holds entries (only a new request adopts a prefix)")
+        prefixes = {row: slots.reshape(-1).to(self.device, torch.int64) for row, slots in prefixes.items()
+                    if slots.numel()}
+        if not prefixes:
             return
-        slots = slots.reshape(-1).to(self.device, torch.int64)
-        if int(slots.max()) >= self.slot_has.shape[0] or not bool(self.slot_has[slots].all()):
-            raise RuntimeError(f"ragged KV store: row {row} adopts {p} slots and some hold no record (the prefix "
-                               "cache matched a prefix that was not recorded)")
-        ids = self.slot_entries[slots].permute(1, 2, 0).to(torch.int64)  # [L, H, p]
-        self._ensure_rows(len(self.slot_of) + 1)
-        slot = self.slot_of[row] = self._free_slots.pop()
-        self.mirror.took_slot(row)
-        self._columns(torch.tensor([slot]), torch.full((1, self.num_layers, self.num_kv_heads), p))
-        slot_dev = upload(self.device, torch.tensor([slot]))[0]
-        self.table.write(slot_dev, ids[None], torch.ones(1, 1, 1, p, dtype=torch.bool, device=self.device))
-        self.lengths[slot] = p
-        self.host_lengths[slot] = p
-        self.logical[row] = self.dense_len[row] = self.adopted[row] = p
-        flat = ids.reshape(-1)
-        self._soft_change(-int((self.rowref[flat] == 0).sum()))
+        sink = self.slot_count
+        safe = {row: torch.where(slots < sink, slots, sink) for row, slots in prefixes.items()}  # the sink: no record
+        flat = torch.cat([self.slot_entries[s].reshape(-1) for s in safe.values()]).to(torch.int64)
+        once = torch.sort(flat).values
+        once_first = torch.cat([once.new_ones(1, dtype=torch.bool), once[1:] != once[:-1]])
+        stop_soft = (once_first & (self.rowref[once] == 0)).sum()
+        *recorded, soft = torch.stack([self.slot_has[s].all().to(torch.int64) for s in safe.values()]
+                                      + [stop_soft]).tolist()
+        for (row, slots), ok in zip(prefixes.items(), recorded):
+            if not ok:
+                raise RuntimeError(f"ragged KV store: row {row} adopts {slots.numel()} slots and some hold no record "
+                                   "(the prefix cache matched a prefix that was not recorded)")
+        self._ensure_rows(len(self.slot_of) + len(prefixes))
+        counts = [int(slots.numel()) for slots in safe.values()]
+        table = []  # the rows' table slots
+        for row, p in zip(safe, counts):
+            slot = self.slot_of[row] = self._free_slots.pop()
+            self.mirror.took_slot(row)
+            table.append(slot)
+            self.host_lengths[slot] = p
+            self.logical[row] = self.dense_len[row] = self.adopted[row] = p
+        B, width = len(table), max(counts)
+        padded = torch.full((B, width), sink, dtype=torch.int64, device=self.device)  # the sink's entries: masked
+        for b, slots in enumerate(safe.values()):
+            padded[b, : slots.numel()] = slots
+        host_counts = torch.tensor(counts)
+        self._columns(torch.tensor(table), host_counts[:, None, None].expand(B, self.num_layers, self.num_kv_heads))
+        table_dev, counts_dev = upload(self.device, torch.tensor(table), host_counts)
+        valid = torch.arange(width, device=self.device) < counts_dev[:, None]  # [B, width]
+        self.table.write(table_dev, self.slot_entries[padded].permute(0, 2, 3, 1),
+                         valid[:, None, None, :].expand(B, self.num_layers, self.num_kv_heads, width))
+        self.lengths[table_dev] = counts_dev[:, None, None].to(self.lengths.dtype)
+        self._soft_change(-soft)
         self.rowref.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def clear_records(self) -> None:
         """The engine let go of every slot (a cache flush)."""
-        self.drop_records(torch.nonzero(self.slot_has).reshape(-1))
+        self.drop_records(torch.arange(self.slot_count, device=self.device))
 
 
 def take_soft(soft: list[int], order, need: int | None) -> tuple[list[int], int]:

@@ -346,8 +346,9 @@ class RaggedStore:
         it (its decisions' snapshots are applied; a ``SharedRaggedStore``'s entries may turn soft instead: never), else
         None (the host learns it from a snapshot). A row that holds nothing is fine (a request that never ran a
         forward)."""
-        self.mirror.sync()
-        exact = self.mirror.exact(row)
+        if self.counts_releases:  # the count is the host's to know when its mirror of the row is current
+            self.mirror.sync()
+        exact = self.counts_releases and self.mirror.exact(row)
         self.tested.pop(row, None)
         logical = self.logical.pop(row, 0)
         self.decided.discard(row)

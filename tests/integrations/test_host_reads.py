@@ -80,6 +80,48 @@ def test_decisions_and_releases_make_no_host_read(shared):
         assert store.held - (store.soft if shared else 0) == int(store.lengths.sum())
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["copies-at-once", "copies-late"])
+def test_records_their_ends_and_adoptions_read_the_device_at_most_once(late):
+    """Radix cache on: a prefill step end's records (given the engine's bound of its slot ids) and the engine letting go
+    of slots (a finished request, an eviction) make no read; the adoptions of a batch make one. An end of records runs
+    on the device alone, like a decision: until the host's snapshot arrives (``late``: a GPU's, simulated) its free
+    count is a lower bound and the room (free + soft) exact."""
+    layers, heads = 3, 2
+    store = SharedRaggedStore(20000, layers, heads, 8, rows=4, width=8, slots=16)
+    store.mirror.held_copies = late
+    rows, prompts = [0, 1, 2], [20, 27, 34]
+    new = store.append(rows, prompts)
+    with Transfers() as record:  # row 2 is never cached: its tokens are left out (one upload of the kept positions)
+        assert store.record(rows, prompts, torch.arange(1, 82), new, exclude={2}, slots_below=200) == 47
+    assert (record.reads, store.slot_count) == (0, 200)
+    store.scores.normal_(generator=torch.Generator().manual_seed(3))
+    store.decide_prefill(rows, 0.0, window=4)
+    store.release(0)
+    store.exact()
+    room, soft = store.available + store.soft, store.soft
+    assert soft > 0
+    with Transfers() as ending:
+        store.drop_records(torch.arange(1, 21))  # row 0's slots
+    assert ending.reads == 0
+    assert store.available + store.soft == room and (store.available == room - soft) == late
+    store.exact()
+    freed = room - store.available
+    assert 0 < store.soft < soft and freed == store.soft  # the records' soft entries are free now
+    reads = []
+    for adopting in ([3], [3, 4, 5, 6]):  # new requests on row 1's cached prompt, its first 40 - 3 · i tokens
+        with Transfers() as adoption:
+            store.adopt_all({r: torch.arange(21, 41 - 3 * i) for i, r in enumerate(adopting)})
+        reads.append(adoption.reads)
+        store.exact()
+        held = int((store.rowref[: store.capacity] > 0).sum())
+        assert store.available + store.soft + held == store.capacity
+        for r in adopting:
+            store.release(r)
+        store.exact()  # (applying the releases' snapshot reads host memory: not part of the adoption)
+    # one read of the device (the check and the soft count); the rest are host reads of the row tables' capacities
+    assert reads[0] == reads[1] <= 8, reads
+
+
 def one_decode_step(layers: int, requests: int, grouped: list | None = None) -> int:
     """Prompts of different lengths decided, then one decode step; returns the reads that step made. ``grouped``: a
     list to append each layer's (output, output without the step's row groups, groups) to."""

@@ -72,10 +72,34 @@ def test_an_entry_two_rows_hold_is_freed_once_and_only_after_its_record_ends():
     store.release(0)
     store.release(1)
     assert store.soft == L * H * 3 and store.available == store.capacity - L * H * 3
-    assert store.drop_records(torch.tensor([2])) == L * H  # the engine let go of one slot
+    store.drop_records(torch.tensor([2, 2]))  # the engine let go of one slot (named twice: it ends once)
+    assert store.available == store.capacity - L * H * 2 and store.soft == L * H * 2
     assert not bool(store.recorded[a[:, :, 1].reshape(-1)].any())
     store.drop_records(torch.tensor([1, 3, 99]))  # a slot without a record is ignored
     assert store.available == store.capacity
+    accounted(store)
+
+
+def test_rows_adopting_in_one_call_share_entries_and_count_soft_ones_once():
+    """SGLang admits several requests on one cached prefix in one batch: their adoptions are one call (one read of the
+    device); an entry both adopt stops being soft once; a row whose prefix holds an unrecorded slot fails the call
+    before anything changes."""
+    store = make()
+    a = prefill(store, 0, [1, 2, 3, 4], torch.full((L, H, 4), -9.0))
+    store.decide_prefill([0], threshold=0.0, window=1)
+    store.release(0)
+    assert store.soft == L * H * 4
+    with pytest.raises(RuntimeError, match="row 3 adopts 2 slots"):
+        store.adopt_all({2: torch.tensor([1, 2]), 3: torch.tensor([1, 5])})
+    assert not store.slot_of and not store.logical and store.soft == L * H * 4  # nothing changed
+    store.adopt_all({2: torch.tensor([1, 2, 3]), 3: torch.tensor([1, 2]), 4: torch.tensor([], dtype=torch.int64)})
+    assert store.soft == L * H and 4 not in store.logical  # token 4's entries: no row holds them
+    assert int(store.rowref[a[0, 0, 0]]) == 2 and int(store.rowref[a[1, 1, 2]]) == 1
+    assert store.row_entries(3, 1, 0).tolist() == a[1, 0, :2].tolist()
+    accounted(store)
+    store.release(2)
+    store.release(3)
+    assert store.soft == L * H * 4
     accounted(store)
 
 

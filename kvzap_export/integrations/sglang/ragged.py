@@ -100,7 +100,9 @@ class RaggedKVzapSGLang(KVzapSGLang):
         shared = isinstance(store, SharedRaggedStore)
         if shared and extend and isinstance(step, Step):  # before any decision: the prompt tokens' full entries
             skip = {r.kv.req_pool_idx for r in batch.reqs if r.skip_radix_cache_insert}  # never in the tree
-            store.record(step.rows, step.counts, batch.out_cache_loc, step.new_ids, exclude=skip)
+            size = getattr(batch.token_to_kv_pool_allocator, "size", None)  # SGLang's slot ids: 1 .. size (host)
+            store.record(step.rows, step.counts, batch.out_cache_loc, step.new_ids, exclude=skip,
+                         slots_below=None if size is None else int(size) + 1)
         prompts, decoding = [], []
         for i, req in enumerate(batch.reqs):
             idx = req.kv.req_pool_idx

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from kvzap_export.errors import ConfigError
+from kvzap_export.integrations.host_reads import counted
 from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.rank_room import RankRoom
@@ -103,8 +104,12 @@ def allocator_class():
             if self.store is not None and self.store.ranks is not None:
                 self.store.ranks.touched()
             if isinstance(self.store, SharedRaggedStore) and self.free_group is None:
-                self.store.drop_records(free_index)  # the slots' records end with SGLang's hold on them
+                self._end_records(free_index)
             super().free(free_index)
+
+        @counted("release")
+        def _end_records(self, free_index) -> None:
+            self.store.drop_records(free_index)  # the slots' records end with SGLang's hold on them
 
         def clear(self):
             super().clear()

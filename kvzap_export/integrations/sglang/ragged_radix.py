@@ -189,6 +189,7 @@ def radix_cache_class():
             ranks = store.ranks if store.ranks is not None and store.ranks.shared else None
 
             def done() -> bool:
+                store.exact()  # records end on the device alone (drop_records): learn what they freed (a slow path)
                 met = store.available >= target
                 return met if ranks is None else ranks.most(int(not met)) == 0
 
@@ -227,6 +228,7 @@ def radix_cache_class():
                 # yet (it processes a step's result after it prepares the next batch); they will not be cached
                 gained = store.drop_unanchored(target - store.available)
                 log.info("KVzap ragged mode: took back %d soft entries of running prompts not yet in the tree", gained)
+            store.exact()
             if store.available < target:
                 raise RuntimeError(f"ragged KV store: {target - store.available} entries short after reclaiming every "
                                    "soft entry (the accounting let through more than the store holds: our bug)")

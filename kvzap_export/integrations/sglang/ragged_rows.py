@@ -57,9 +57,9 @@ class StoreRows:
         targets = [int(t) for t in target_seq_lens_cpu.tolist()]
         prefixes, self.prefix_lens = self.prefix_lens, None
         if prefixes is not None and isinstance(self.store, SharedRaggedStore):
-            for r, p in zip(rows, prefixes):
-                if p > 0 and r not in self.store.logical:  # a new request whose prompt starts with a cached prefix
-                    self.store.adopt(r, self.req_to_token[r, :p])
+            # the new requests whose prompts start with a cached prefix: one adoption (one read) for the batch
+            self.store.adopt_all({r: self.req_to_token[r, :p] for r, p in zip(rows, prefixes)
+                                  if p > 0 and r not in self.store.logical})
         if isinstance(self.store, SharedRaggedStore):  # the admitted requests adopted what admission set aside
             self.store.clear_aside()
         counts = [t - self.store.logical.get(r, 0) for r, t in zip(rows, targets)]
@@ -82,6 +82,7 @@ class StoreRows:
                                f"({'no plan' if plan is None else plan[2]})")
         return plan[0], plan[1], plan[3]
 
+    @counted("release")
     def free(self, row) -> None:
         self.store.release(int(row))
 

@@ -213,7 +213,8 @@ def test_concurrent_requests_give_kvpress_tokens_with_a_constant_number_of_host_
     code made in each step (``host_reads.py``; on a GPU each is a stall): the forward's count (aux cache, batch
     view, every layer's attention and scoring) is the same at every decode step whatever the batch, and in ragged
     mode the same on SmolLM2's 30 layers as on the tiny Qwen3's 4, and none at the step end (the decisions run on the
-    device alone; the host learns their counts from a snapshot at the next step's layout). Mask and evict modes still decide request by request at the step end (RequestState),
+    device alone; the host learns their counts from a snapshot at the next step's layout), nor do the prefill step ends
+    (decisions, the radix cache's records) or the releases. Mask and evict modes still decide request by request at the step end (RequestState),
     a few reads per request: not held constant here."""
     which = ["smollm2", "qwen3"] if mode == "ragged" else ["qwen3"]
     forward_counts = set()
@@ -227,4 +228,11 @@ def test_concurrent_requests_give_kvpress_tokens_with_a_constant_number_of_host_
         forward_counts |= forward
         if mode == "ragged":  # the decode steps' decisions: on the device alone, no read (ragged_mirror.py)
             assert step_end == 0, step_end
+            # radix cache on: the prefill step ends' decisions and records, and SGLang's frees of finished rows and of
+            # slots (the records that end with them) read nothing either
+            steps = [r for r in out["readings"] if r.get("event") != "idle"]
+            prefill = [r["host_reads"]["step_end"] for r in steps if r["forward"] == "extend"]
+            assert out["engine"]["resolved"]["disable_radix_cache"] is False
+            assert prefill and max(prefill) == 0, prefill
+            assert max(r["host_reads"]["release"] for r in steps) == 0
     assert len(forward_counts) == 1, forward_counts
