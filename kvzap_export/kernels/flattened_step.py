@@ -15,8 +15,11 @@ graph captures) only reads fixed buffers:
   element is a discard slot the torch path writes padding to); int64 because SGLang's kernel computes the element
   offset ``id * row_stride`` in the dtype of ``kv_indices`` (``flattened_attention``'s docstring). Rows that share
   entries (a prefix SGLang's radix cache gave several requests) can hold more ids than the pool has entries: such a
-  step (``fits``: the caller's host bound) is laid out in ids of its own, eagerly, as SGLang's Triton backend does
-  for its eager steps; a CUDA graph reads the fixed buffer only, so it must not replay such a step;
+  step (``fits``: the caller's host bounds) runs eagerly and copies each layer's ids just before that layer's
+  attention, at offsets from the layer's first row (``layer_indptr``), into the fixed buffer, which holds one layer's
+  ids unless the rows share more than ``layers`` times over (then one layer's worth of ids of its own, as SGLang's
+  Triton backend allocates for its eager steps); a CUDA graph reads the ids laid out before it, so it must not replay
+  such a step;
 - ``num_kv_splits`` int32 [L * max_rows]: per layer, ``ceil(length / chunk)`` clamped to [1, max_kv_splits] with
   ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
 - ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
@@ -55,14 +58,14 @@ if triton is not None:
 
     @triton.jit
     def _copy_rows_kernel(data_ptr, base_ptr, lengths_ptr, indptr_ptr, slots_ptr, out_ptr, batch, heads, layers,
-                          BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # (layer, request, head) of this step
+                          first_layer, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # (layer, request, head) of the rows from ``first_layer`` on
         start = tl.program_id(1) * BLOCK
         n = tl.load(lengths_ptr + row)
         if start < n:
             h = row % heads
             b = (row // heads) % batch
-            layer = row // (heads * batch)
+            layer = first_layer + row // (heads * batch)
             slot = tl.load(slots_ptr + b).to(tl.int64)
             base = tl.load(base_ptr + (slot * layers + layer) * heads + h)  # where the row's columns start
             cols = start + tl.arange(0, BLOCK)
@@ -89,6 +92,7 @@ def step_bytes(layers: int, max_batch: int, kv_heads: int, group: int, head_dim:
     all_rows = layers * max_batch * kv_heads
     size = torch.empty(0, dtype=dtype).element_size()
     return (4 * (all_rows + 1) + 4 * all_rows + all_rows + 4 * splits * group * (v_head_dim + 1)
+            + 4 * (max_batch * kv_heads + 1)
             + size * max_batch * kv_heads * group * head_dim + 4 * all_rows + 4 * max_batch * layers * kv_heads
             + 4 * max_batch + 8 * max_batch + 4 * layers)
 
@@ -151,15 +155,17 @@ class FlattenedStep:
         self._valid = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self._safe = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._chunk = torch.zeros(layers, dtype=torch.int32, device=dev)
+        self._layer_indptr = torch.zeros(max_batch * kv_heads + 1, dtype=torch.int32, device=dev)
         self.batch = 0
-        self.indices = self.kv_indices  # the ids the filled step attends over (its own where it does not fit)
+        self.indices = self.kv_indices  # the ids the filled step attends over (its own where one layer's do not fit)
+        self._by_layer = None  # (data, base, width) of a step whose ids are copied layer by layer
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor this instance allocated (their data pointers never change)."""
         return {"kv_indptr": self.kv_indptr, "kv_indices": self.kv_indices, "num_kv_splits": self.num_kv_splits,
                 "empty": self.empty, "attn_logits": self.attn_logits, "attn_lse": self.attn_lse, "q": self._q,
                 "lens": self._lens, "gathered": self._gathered, "valid": self._valid, "safe": self._safe,
-                "chunk": self._chunk}
+                "chunk": self._chunk, "layer_indptr": self._layer_indptr}
 
     def splits_for(self, rows: int) -> int:
         """The most splits per row of a step of ``rows`` rows (module docstring)."""
@@ -170,15 +176,19 @@ class FlattenedStep:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
     def fits(self, ids: int) -> bool:
-        """Whether a step of ``ids`` entry ids over all its rows and layers fits ``kv_indices`` (module docstring)."""
+        """Whether ``ids`` entry ids (a step's over all its rows and layers, or one layer's) fit ``kv_indices``
+        (module docstring)."""
         return ids < self.kv_indices.shape[0]
 
-    def fill(self, table, lengths: torch.Tensor, slots: torch.Tensor, width: int, ids: int | None = None) -> None:
+    def fill(self, table, lengths: torch.Tensor, slots: torch.Tensor, width: int, ids: int | None = None,
+             layer_ids: int | None = None) -> None:
         """Lays out a step of ``B = len(slots)`` requests from the row tables: ``table`` a ``RowTable`` (``data`` int32,
         ``base`` int64 [S, L, H]) or a dense int32 [S, L, H, W'], lengths int32 [S, L, H], slots int64 [B] on the device
         (-1: a padding row, which holds nothing); ``width``: at least the longest row of these requests (host; the
         torch path pads to it); ``ids``: at least the entry ids of these rows over every layer (host; default: what
-        ``kv_indices`` holds): a step past ``fits`` gets ids of its own."""
+        ``kv_indices`` holds): a step past ``fits`` copies each layer's ids before its attention (``layer_ids``: at
+        least the most ids one layer's rows hold, host; default ``ids``), into ids of its own only where one layer's
+        do not fit."""
         L, H = self.layers, self.kv_heads
         B = slots.shape[0]
         data, base = row_buffers(table)
@@ -203,14 +213,12 @@ class FlattenedStep:
         if not fixed and ids + self.target_programs >= 2**31 - 1:  # kv_indptr and the split arithmetic are int32
             raise InputError(f"FlattenedStep.fill: a step of {ids} entry ids does not fit the kernel's int32 kv_indptr "
                              "(fewer requests sharing a cached prefix at once: lower max_running_requests)")
-        self.indices = self.kv_indices if fixed else torch.empty(ids + 1, dtype=torch.int64, device=self.device)
-        if width > 0:
-            if self.use_triton:
-                grid = (n, triton.cdiv(width, COPY_BLOCK))
-                _copy_rows_kernel[grid](data, base, lens, self.kv_indptr, safe, self.indices, B, H, L,
-                                        BLOCK=COPY_BLOCK)
-            else:
-                self._copy_rows_torch(data, base, safe, lens, width, B)
+        layer_ids = ids if layer_ids is None else layer_ids
+        self._by_layer = None if fixed else (data, base, width)
+        self.indices = (self.kv_indices if fixed or self.fits(layer_ids)
+                        else torch.empty(layer_ids + 1, dtype=torch.int64, device=self.device))
+        if fixed:
+            self._copy(data, base, width, lens, self.kv_indptr, 0, L)
         # per layer: chunk = max(min_chunk, ceil(total / target_programs)); splits = clamp(ceil(len / chunk), 1, S)
         chunk = self._chunk
         torch.sub(self.kv_indptr[R: n + 1: R], self.kv_indptr[0: n: R], out=chunk)
@@ -219,14 +227,24 @@ class FlattenedStep:
         torch.add(lens.view(L, R), chunk[:, None], out=splits)
         splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.splits_for(R))
 
-    def _copy_rows_torch(self, data, base, safe, lens, width, B) -> None:
-        """The id copy without Triton: the padded rows [L, B, H, width] scattered, padding to the discard slot."""
-        L, H = self.layers, self.kv_heads
+    def _copy(self, data, base, width: int, lens: torch.Tensor, indptr: torch.Tensor, first: int, layers: int) -> None:
+        """The ids of the rows of ``layers`` layers from layer ``first`` (their lengths ``lens``, offsets ``indptr``)
+        into ``indices``: the Triton kernel, or without Triton a torch scatter of the padded rows [layers, B, H,
+        width], padding to the discard slot."""
+        if width <= 0:
+            return
+        B, H = self.batch, self.kv_heads
+        safe = self._safe[:B]
+        if self.use_triton:
+            grid = (layers * B * H, triton.cdiv(width, COPY_BLOCK))
+            _copy_rows_kernel[grid](data, base, lens, indptr, safe, self.indices, B, H, self.layers, first,
+                                    BLOCK=COPY_BLOCK)
+            return
         columns = torch.arange(width, device=self.device)
-        at = (base.index_select(0, safe)[..., None] + columns).clamp(max=data.shape[0] - 1)
-        rows = data[at].permute(1, 0, 2, 3).reshape(L * B * H, width)
+        at = (base.index_select(0, safe)[:, first: first + layers, :, None] + columns).clamp(max=data.shape[0] - 1)
+        rows = data[at].permute(1, 0, 2, 3).reshape(layers * B * H, width)
         held = columns < lens[:, None]
-        dest = torch.where(held, self.kv_indptr[: L * B * H, None].to(torch.int64) + columns, self.indices.shape[0] - 1)
+        dest = torch.where(held, indptr[: layers * B * H, None].to(torch.int64) + columns, self.indices.shape[0] - 1)
         self.indices.index_put_((dest.reshape(-1),), rows.reshape(-1).to(torch.int64))
 
     def attend(self, layer: int, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float,
@@ -243,8 +261,13 @@ class FlattenedStep:
         else:  # an eager step past the graphs' largest batch: its own partial results
             logits = self.attn_logits.new_empty(R, G, S, self.v_head_dim)
             lse = self.attn_lse.new_empty(R, G, S)
+        indptr = self.kv_indptr[first: first + R + 1]
+        if self._by_layer is not None:  # the step's ids past the buffer: this layer's now, from offset 0
+            indptr = torch.sub(indptr, indptr[:1], out=self._layer_indptr[: R + 1])
+            data, base, width = self._by_layer
+            self._copy(data, base, width, self._lens[first: first + R], indptr, layer, 1)
         return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
                       head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                      kv_indptr=self.kv_indptr[first: first + R + 1], kv_indices=self.indices,
+                      kv_indptr=indptr, kv_indices=self.indices,
                       num_kv_splits=self.num_kv_splits[first: first + R], attn_logits=logits, attn_lse=lse,
                       empty=self.empty[first: first + R], spare_q=self._q, out=out)

@@ -45,11 +45,14 @@ LENGTHS = [[[5, 0], [70, 33], [1, 64]],
            [[40, 41], [42, 0], [9, 9]]]
 
 
+@pytest.mark.parametrize("buffer", [2000, 300, 150], ids=["step-fits", "layer-fits", "layer-past"])
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch-copy", "triton-copy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-def test_every_layer_equals_the_formula_over_the_tables_entries(kernels, dtype, use_triton):
+def test_every_layer_equals_the_formula_over_the_tables_entries(kernels, dtype, use_triton, buffer):
     """Slots in any order, padding rows (-1), empty heads and an all-empty request; each layer's output equals the
-    formula over that layer's entries, and padding rows give zeros."""
+    formula over that layer's entries, and padding rows give zeros. The step's 526 ids laid out at once where the
+    buffer holds them (``buffer`` entries), else each layer's before its attention (at most 193): into the buffer,
+    or past it into one layer's worth of ids of its own (rows sharing a cached prefix, eager steps)."""
     L, H, group, D, entries = 3, 2, 4, 16, 400
     if DEVICE == "cuda" and not use_triton:
         pytest.skip("the torch copy is the CPU's path")
@@ -57,10 +60,17 @@ def test_every_layer_equals_the_formula_over_the_tables_entries(kernels, dtype, 
     g = torch.Generator().manual_seed(1)
     k = torch.randn(entries + 1, D, generator=g).to(DEVICE, dtype)
     v = torch.randn(entries + 1, D, generator=g).to(DEVICE, dtype)
-    step = FlattenedStep(L, 6, H, group, D, 2000, dtype=dtype, device=DEVICE, max_kv_splits=4, target_programs=32,
+    step = FlattenedStep(L, 6, H, group, D, buffer, dtype=dtype, device=DEVICE, max_kv_splits=4, target_programs=32,
                          min_chunk=8, kernels=kernels, use_triton=use_triton)
+    pointers = {name: t.data_ptr() for name, t in step.buffers().items()}
     slots = torch.tensor([2, 0, -1, 3, 1])
-    step.fill(ids.to(DEVICE), lengths.to(DEVICE), slots.to(DEVICE), width=int(lengths.max()))
+    held = lengths[slots.clamp(min=0)] * (slots >= 0)[:, None, None]
+    total, per_layer = int(held.sum()), int(held.sum((0, 2)).max())
+    assert (total, per_layer) == (526, 193)
+    step.fill(ids.to(DEVICE), lengths.to(DEVICE), slots.to(DEVICE), width=int(lengths.max()), ids=total,
+              layer_ids=per_layer)
+    assert (step.indices is step.kv_indices) == (buffer > per_layer) and step.indices.numel() <= max(buffer, per_layer) + 1
+    assert {name: t.data_ptr() for name, t in step.buffers().items()} == pointers
     for layer in range(L):
         q = torch.randn(5, H * group, D, generator=g).to(DEVICE, dtype)
         out = torch.full((5, H * group, D), float("nan"), dtype=dtype, device=DEVICE)

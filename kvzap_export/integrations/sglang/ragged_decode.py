@@ -113,14 +113,14 @@ class DecodeBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
 
-    def extent(self, rows: list[int]) -> tuple[int, int]:
-        """(the longest row, every entry id) the rows ``rows`` hold over every layer and head, from the host mirror (an
-        upper bound) in one read."""
+    def extent(self, rows: list[int]) -> tuple[int, int, int]:
+        """(the longest row, every entry id, the most entry ids of one layer) the rows ``rows`` hold over every layer
+        and head, from the host mirror (upper bounds) in one read."""
         if not rows:
-            return 0, 0
-        held = self.store.lengths_host[self.store.slots_host(rows)]
-        width, ids = torch.stack([held.max(), held.sum()]).tolist()
-        return width, ids
+            return 0, 0, 0
+        held = self.store.lengths_host[self.store.slots_host(rows)]  # [B, L, H]
+        width, ids, layer_ids = torch.stack([held.max(), held.sum(), held.sum((0, 2)).max()]).tolist()
+        return width, ids, layer_ids
 
     def fits_graph(self, rows: list[int]) -> bool:
         """Whether a decode step of ``rows`` fits the ids a CUDA graph reads (rows sharing a cached prefix may hold
@@ -145,11 +145,11 @@ class DecodeBuffers:
         self.slots[:batch].copy_(upload(self.store.device, slots)[0])
         self.new_ids[:, :, :n].copy_(new_ids)
         self.new_ids[:, :, n:batch].fill_(self.store.scratch)
-        width, ids = self.extent(rows)  # the torch copy pads to the longest row; the ids pick the buffer
+        width, ids, layer_ids = self.extent(rows)  # the torch copy pads to the longest row; the ids pick the layout
         if graphed and not self.flat.fits(ids):  # graph_fits_hook sends such a step to the eager path
             raise RuntimeError(f"KVzap ragged mode: a replayed decode step's rows hold up to {ids} entry ids, the "
                                f"graphs' buffer {self.flat.kv_indices.shape[0] - 1}")
-        self.flat.fill(self.store.table, self.store.lengths, self.slots[:batch], width, ids)
+        self.flat.fill(self.store.table, self.store.lengths, self.slots[:batch], width, ids, layer_ids)
         return BufferedDecode(self.new_ids[:, :, :batch])
 
     def capture_layout(self, batch: int) -> BufferedDecode:

@@ -187,12 +187,15 @@ def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eage
     assert store.table.relocated + store.table.packs > moved, "no row outgrew its capacity: the test proves less"
 
 
-def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_over_ids_of_their_own(kernels):
+@pytest.mark.parametrize("layers", [2, 4])
+def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_layer_by_layer(kernels, layers):
     """Requests that adopted one cached prefix (SGLang's radix cache) each list its entries, so a step's rows can hold
-    more entry ids than the pool has entries (here 4 x 31 x 4 = 496 ids of 160 entries). A graph's replay of such a
-    step is refused (``graph_fits_hook`` sends it to the eager path); eagerly it attends over ids of its own, equal to
-    the formula, and the graphs' buffer stays in place."""
-    layers, prefix = 2, 30
+    more entry ids than the pool has entries (4 requests x 31 tokens x 2 heads x ``layers`` ids, of 80 · ``layers``
+    entries). A graph's replay of such a step is refused (``graph_fits_hook`` sends it to the eager path); eagerly each
+    layer's ids are copied before its attention: into the graphs' buffer where one layer's fit (4 layers: 248 ids of
+    320), else into one layer's worth of ids of its own (2 layers: 248 of 160), never the whole step's. Every layer
+    equals the formula."""
+    prefix = 30
     store = SharedRaggedStore(layers * HEADS * 40, layers, HEADS, DIM, rows=4, width=8, slots=64, device=DEVICE)
     run = Run.__new__(Run)  # only its random K/V writer
     run.g, run.layers, run.device, run.dtype = torch.Generator().manual_seed(5), layers, DEVICE, torch.float32
@@ -200,19 +203,20 @@ def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_over_ids_of_their_own(
     new = store.append([0], [prefix])
     run.write(new)
     assert store.record([0], [prefix], torch.arange(1, prefix + 1), new) == prefix
-    for row in (1, 2, 3):
-        store.adopt(row, torch.arange(1, prefix + 1))
+    store.adopt_all({row: torch.arange(1, prefix + 1) for row in (1, 2, 3)})
     rows = [0, 1, 2, 3]
     new = store.append(rows, [1] * len(rows))
     run.write(new)
     buffers = DecodeBuffers(store, 5, GROUP, torch.float32, kernels=kernels, max_kv_splits=2, small_batch_splits=4)
     fixed = buffers.flat.kv_indices.data_ptr()
-    assert buffers.extent(rows)[1] == len(rows) * (prefix + 1) * layers * HEADS > store.capacity
+    layer_ids = len(rows) * (prefix + 1) * HEADS
+    assert buffers.extent(rows)[1:] == (layer_ids * layers, layer_ids) and layer_ids * layers > store.capacity
     assert not buffers.fits_graph(rows) and buffers.fits_graph(rows[:1])
     with pytest.raises(RuntimeError, match="graphs' buffer"):
         buffers.layout(rows, new, 5, graphed=True)
     buffers.layout(rows, new, 5)
-    assert buffers.flat.indices.data_ptr() != fixed == buffers.flat.kv_indices.data_ptr()
+    own = buffers.flat.indices
+    assert (own.data_ptr() == fixed) == (layer_ids < store.capacity) and own.numel() <= max(layer_ids, store.capacity) + 1
     slots = store.slots(rows)
     for layer in range(layers):
         q = run.randn(5, HEADS * GROUP, DIM)
@@ -222,7 +226,7 @@ def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_over_ids_of_their_own(
                                        store.lengths[slots, layer], 0.3)
         torch.testing.assert_close(out[:4], want, **F32)
     buffers.layout(rows[:1], new[:, :, :1], 2, graphed=True)  # a step that fits goes back to the graphs' buffer
-    assert buffers.flat.indices.data_ptr() == fixed
+    assert buffers.flat.indices.data_ptr() == fixed and buffers.flat._by_layer is None
 
 
 def test_only_a_step_past_the_graphs_ids_is_sent_to_the_eager_path():
