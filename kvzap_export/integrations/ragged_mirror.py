@@ -10,9 +10,10 @@ an event (on the CPU the copy is the values themselves), and applies every snaps
 host learns what it needs at most once per step and never waits for it, except when a lower bound is too low to go on
 (``HostMirror.wait``: an allocation that the mirrored free count cannot cover).
 
-Until then the host's figures are bounds that keep the engine safe: the free count (and the soft count) a lower bound
-(device-only pushes not counted yet), a row's mirrored lengths an upper bound (decisions only shrink rows; appends
-are counted on the host at once). Applying a snapshot adds what the host did itself after it was taken (its pops,
+Until then the host's figures are bounds that keep the engine safe: the free count a lower bound (device-only pushes
+not counted yet), and so the free and soft counts' sum (an end of records, ``SharedRaggedStore.drop_records``, turns
+soft entries free: the soft count alone may be high by as many), a row's mirrored lengths an upper bound (decisions
+only shrink rows; appends are counted on the host at once). Applying a snapshot adds what the host did itself after it was taken (its pops,
 its pushes of known size, its known soft changes, the tokens appended to each row) to the snapshot's values.
 Snapshots are applied in order, so a later one never goes back behind an earlier one.
 """

@@ -7,9 +7,10 @@ mode").
 What it adds to ``RaggedStore``:
 
 - **records**: an engine slot (one logical token of the engine's own bookkeeping) whose token a dense prefill
-  computed keeps that token's full entries, one per (layer, KV head): ``slot_entries`` int32 [slots, L, H] and
-  ``slot_has`` bool [slots]. A record outlives the request that computed it for as long as the engine holds the
-  slot (its prefix cache); a later request whose prompt starts with the same tokens ``adopt``s the records into
+  computed keeps that token's full entries, one per (layer, KV head): ``slot_entries`` int32 [slots + 1, L, H] and
+  ``slot_has`` bool [slots + 1] (the last row a sink that never holds a record). A record outlives the request that
+  computed it for as long as the engine holds the
+  slot (its prefix cache); a later request whose prompt starts with the same tokens adopts the records into
   its own row instead of computing them again, and then decides on every entry as its own prompt's;
 - **reference counts**: ``rowref`` int32 [capacity + 1] counts the rows that hold an entry, ``recorded`` marks
   the entries a record holds. An entry goes back to the free list when neither holds it. An entry a record holds
@@ -28,6 +29,8 @@ import torch
 
 from kvzap_export.errors import InputError
 from kvzap_export.integrations.ragged_store import RaggedStore, upload
+
+DROP_CHUNK = 1 << 20  # entries per chunk of ``drop_records`` (its scratch: a few tens of bytes per entry)
 
 
 class SharedRaggedStore(RaggedStore):
@@ -69,8 +72,9 @@ class SharedRaggedStore(RaggedStore):
     # ---- accounting --------------------------------------------------------------------------------
     @property
     def soft(self) -> int:
-        """Entries a record holds and no row does (``soft_counter`` on the device; on the host a lower bound until the
-        snapshots of earlier decisions and releases are applied, like ``available``)."""
+        """Entries a record holds and no row does (``soft_counter`` on the device; on the host, until the snapshots
+        of earlier decisions, releases and ends of records are applied, low by the entries those turned soft and high
+        by those ends of records freed: ``available + soft`` is a lower bound of the room, like ``available``)."""
         self.mirror.sync()
         return max(self.mirror.soft, 0)
 
@@ -194,8 +198,9 @@ class SharedRaggedStore(RaggedStore):
         [L, H, T], ``append``'s result for ``rows`` / ``counts``) keep their tokens' entries. Only the tokens of a row
         that was dense before this forward and is still dense (no decision yet) and whose earlier tokens are all
         recorded get records (module docstring); rows in ``exclude`` get none (the engine will never cache them).
-        ``slots_below``: a bound of the engine's slot ids the host knows (SGLang: its allocator's size); without
-        it the largest of ``slots`` is read from the device. With it, no host read. Returns the tokens recorded."""
+        ``slots_below``: a bound the host knows of the engine's slot ids, exclusive (every id < it; SGLang: its
+        allocator's size + 1); without it the largest of ``slots`` is read from the device. With it, no host read.
+        Returns the tokens recorded."""
         ok, where, start = [], [], 0
         slots = slots.to(self.device, torch.int64)
         for r, n in zip(rows, counts):
@@ -224,12 +229,20 @@ class SharedRaggedStore(RaggedStore):
         """The engine let go of ``slots`` (or gives up their records to reclaim memory): their records end, and
         entries no row holds (soft ones) are freed. Slots without a record are ignored, a slot named twice ends once.
         On the device alone, like a decision: the host learns the entries freed from its next snapshot (until then
-        its free count is a lower bound and its soft count too high by as many: their sum, the room, stays exact)."""
+        its free count is low and its soft count high by as many: their sum, the room, is unchanged). In chunks of
+        about ``DROP_CHUNK`` entries, so that a large free (a long request's slots, a flush) takes bounded scratch."""
         if slots.numel() == 0:
             return
-        sink = self.slot_count
         slots = torch.sort(slots.reshape(-1).to(self.device, torch.int64)).values
-        slots = torch.where(slots < sink, slots, sink)  # past the tables: never recorded
+        step = max(1, DROP_CHUNK // (self.num_layers * self.num_kv_heads))
+        for start in range(0, slots.shape[0], step):  # a slot split over two chunks: the first ends it
+            self._drop_sorted(slots[start: start + step])
+        self.mirror.mark()
+
+    def _drop_sorted(self, slots: torch.Tensor) -> None:
+        """``drop_records`` of sorted slot ids, on the device."""
+        sink = self.slot_count
+        slots = torch.where((slots >= 0) & (slots < sink), slots, sink)  # outside the tables: never recorded
         first = torch.cat([slots.new_ones(1, dtype=torch.bool), slots[1:] != slots[:-1]])
         ends = first & self.slot_has[slots]
         self.slot_has[slots] = False
@@ -239,7 +252,6 @@ class SharedRaggedStore(RaggedStore):
         free = ends[:, None] & (self.rowref[ids] == 0)
         self.soft_counter.sub_(free.sum())
         RaggedStore._give(self, ids, free)
-        self.mirror.mark()
 
     def anchored(self, row: int, length: int) -> None:
         """The engine's prefix cache now holds row ``row``'s first ``length`` tokens: their records are its to evict."""
@@ -288,7 +300,7 @@ class SharedRaggedStore(RaggedStore):
         slots = slots.reshape(-1).to(self.device, torch.int64)
         if slots.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        safe = torch.where(slots < self.slot_count, slots, self.slot_count)  # the sink holds no record
+        safe = torch.where((slots >= 0) & (slots < self.slot_count), slots, self.slot_count)  # the sink: no record
         ids = self.slot_entries[safe].reshape(slots.numel(), -1).to(torch.int64)
         soft = (self.rowref[ids] == 0).sum(-1) * self.slot_has[safe]
         return soft.to("cpu", torch.int64)
@@ -310,7 +322,8 @@ class SharedRaggedStore(RaggedStore):
         if not prefixes:
             return
         sink = self.slot_count
-        safe = {row: torch.where(slots < sink, slots, sink) for row, slots in prefixes.items()}  # the sink: no record
+        safe = {row: torch.where((slots >= 0) & (slots < sink), slots, sink)  # the sink: no record
+                for row, slots in prefixes.items()}
         flat = torch.cat([self.slot_entries[s].reshape(-1) for s in safe.values()]).to(torch.int64)
         once = torch.sort(flat).values
         once_first = torch.cat([once.new_ones(1, dtype=torch.bool), once[1:] != once[:-1]])
@@ -345,8 +358,8 @@ class SharedRaggedStore(RaggedStore):
         self.rowref.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def clear_records(self) -> None:
-        """The engine let go of every slot (a cache flush)."""
-        self.drop_records(torch.arange(self.slot_count, device=self.device))
+        """The engine let go of every slot (a cache flush: a slow path, one read for the recorded slots)."""
+        self.drop_records(torch.nonzero(self.slot_has).reshape(-1))
 
 
 def take_soft(soft: list[int], order, need: int | None) -> tuple[list[int], int]:

@@ -7,11 +7,13 @@ backends' own methods."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 import pytest
 
-from kvzap_export.integrations.host_reads import HostReads, Transfers
+from kvzap_export.integrations.host_reads import HostReads, Transfers, syncs
 from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.kernels.ragged_attention import decode_attention
@@ -109,8 +111,9 @@ def test_records_their_ends_and_adoptions_read_the_device_at_most_once(late):
     assert 0 < store.soft < soft and freed == store.soft  # the records' soft entries are free now
     reads = []
     for adopting in ([3], [3, 4, 5, 6]):  # new requests on row 1's cached prompt, its first 40 - 3 · i tokens
-        with Transfers() as adoption:
+        with Transfers() as adoption, StoreReads() as own:
             store.adopt_all({r: torch.arange(21, 41 - 3 * i) for i, r in enumerate(adopting)})
+        assert own.reads == 1  # the store's own: one read of the device for the batch
         reads.append(adoption.reads)
         store.exact()
         held = int((store.rowref[: store.capacity] > 0).sum())
@@ -118,8 +121,18 @@ def test_records_their_ends_and_adoptions_read_the_device_at_most_once(late):
         for r in adopting:
             store.release(r)
         store.exact()  # (applying the releases' snapshot reads host memory: not part of the adoption)
-    # one read of the device (the check and the soft count); the rest are host reads of the row tables' capacities
+    # the rest: host reads of the row tables' capacities (no more for more rows)
     assert reads[0] == reads[1] <= 8, reads
+
+
+class StoreReads(Transfers):
+    """``Transfers``' reads made by ``ragged_shared.py`` itself (the row tables read host tensors only)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if sys._getframe(1).f_code.co_filename.endswith("ragged_shared.py") and syncs(func, args, kwargs):
+            self.reads += 1
+        return func(*args, **kwargs)
 
 
 def one_decode_step(layers: int, requests: int, grouped: list | None = None) -> int:

@@ -103,6 +103,26 @@ def test_rows_adopting_in_one_call_share_entries_and_count_soft_ones_once():
     accounted(store)
 
 
+def test_records_end_in_chunks_each_once_and_only_for_slots_inside_the_tables(monkeypatch):
+    """A large free ends records a chunk at a time (bounded scratch): a slot named twice across a chunk's edge ends
+    once. Slots outside the tables (negative, past them) end nothing: a negative id does not wrap to the last slot."""
+    from kvzap_export.integrations import ragged_shared
+
+    monkeypatch.setattr(ragged_shared, "DROP_CHUNK", 2 * L * H)  # 2 slots a chunk
+    store = make()
+    prefill(store, 0, [1, 2, 3, 4, 5, 6, 7])
+    store.release(0)
+    assert store.slot_count == 8 and store.soft == L * H * 7
+    store.drop_records(torch.tensor([-2, -1, 8, 99]))
+    assert store.soft == L * H * 7 and bool(store.slot_has[7])
+    store.drop_records(torch.tensor([3, 2, 2, 5, 2, 3, 1]))  # sorted: 1 2 | 2 2 | 3 3 | 5
+    assert store.soft == L * H * 3 and store.slot_has[:8].tolist() == [False, False, False, False, True, False, True, True]
+    accounted(store)
+    store.clear_records()
+    assert store.available == store.capacity and store.soft == 0
+    accounted(store)
+
+
 def test_only_dense_rows_get_records_and_a_prefix_must_be_recorded():
     store = make()
     prefill(store, 0, [1, 2, 3, 4])

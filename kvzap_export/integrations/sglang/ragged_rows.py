@@ -43,7 +43,7 @@ class Step:
 class StoreRows:
     """SGLang's aux-cache protocol for ``ReqToTokenPool``: grows rows before each forward (host side, the whole
     batch at once), frees released rows. With the radix cache on, a new request's row first adopts its matched
-    prefix's recorded entries (``SharedRaggedStore.adopt``; ``prefix_lens``: the extend batch's, in its order, set
+    prefix's recorded entries (``SharedRaggedStore.adopt_all``; ``prefix_lens``: the extend batch's, in its order, set
     by a BEFORE hook on SGLang's ``alloc_for_extend``)."""
 
     def __init__(self, store: RaggedStore, dense_capacity: int, req_to_token: torch.Tensor | None = None):
