@@ -5,7 +5,7 @@ SGLang's decode kernel (``flattened_attention.launch``): row ``s`` of a layer is
 query group. ``FlattenedStep`` lays out the rows of ALL layers at once, before the forward, from the store's row
 tables (a ``RowTable``'s rows, each with its own capacity in one flat buffer, or a dense [slots, L, H, W] table, and
 ``lengths`` [slots, L, H]), so that the forward itself (what a CUDA
-graph captures) only reads fixed buffers:
+graph captures) only reads fixed buffers (except an eager step laid out layer by layer, below):
 
 - rows in (layer, request, head) order: with ``B`` requests this step (padded: a row whose slot is -1 holds
   nothing), layer ``l``'s rows are ``l * B * H ... (l + 1) * B * H - 1``;
@@ -16,10 +16,11 @@ graph captures) only reads fixed buffers:
   offset ``id * row_stride`` in the dtype of ``kv_indices`` (``flattened_attention``'s docstring). Rows that share
   entries (a prefix SGLang's radix cache gave several requests) can hold more ids than the pool has entries: such a
   step (``fits``: the caller's host bounds) runs eagerly and copies each layer's ids just before that layer's
-  attention, at offsets from the layer's first row (``layer_indptr``), into the fixed buffer, which holds one layer's
-  ids unless the rows share more than ``layers`` times over (then one layer's worth of ids of its own, as SGLang's
-  Triton backend allocates for its eager steps); a CUDA graph reads the ids laid out before it, so it must not replay
-  such a step;
+  attention, at offsets from the layer's first row (``layer_indptr``: that layer's running sum, so only a layer's
+  ids need int32 offsets), into the fixed buffer, which holds one layer's ids unless the rows share about more than
+  ``layers`` times over (then one layer's worth of ids of its own, as SGLang's Triton backend allocates for its eager
+  steps; the row tables are then read during the forward); a CUDA graph reads the ids laid out before it, so it must
+  not replay such a step;
 - ``num_kv_splits`` int32 [L * max_rows]: per layer, ``ceil(length / chunk)`` clamped to [1, max_kv_splits] with
   ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
 - ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
@@ -33,7 +34,7 @@ graph captures) only reads fixed buffers:
 
 The copy of the ids reads only the entries held: a Triton kernel (one program per (row, block of 1024 columns);
 programs past a row's length return at once), or on the CPU (no Triton launch outside the interpreter) a torch
-scatter of the padded rows. Nothing reads the device back; ``fill`` allocates nothing on the Triton path.
+scatter of the padded rows. Nothing reads the device back; a step that fits allocates nothing on the Triton path.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ GPU_SPLITS, GPU_SMALL_BATCH_SPLITS = 32, 64  # what the engine runs on a GPU (in
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first_layer"])  # one compilation for every layer of a step laid out by layer
     def _copy_rows_kernel(data_ptr, base_ptr, lengths_ptr, indptr_ptr, slots_ptr, out_ptr, batch, heads, layers,
                           first_layer, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (layer, request, head) of the rows from ``first_layer`` on
         start = tl.program_id(1) * BLOCK
-        n = tl.load(lengths_ptr + row)
+        n = tl.load(lengths_ptr + first_layer * heads * batch + row)  # every layer's lengths; offsets from row 0
         if start < n:
             h = row % heads
             b = (row // heads) % batch
@@ -207,28 +208,30 @@ class FlattenedStep:
         gathered.mul_(valid[:, None, None])
         lens = self._lens[:n]
         lens.view(L, B, H).copy_(gathered.permute(1, 0, 2))
-        torch.cumsum(lens, 0, dtype=torch.int32, out=self.kv_indptr[1: n + 1])
         torch.eq(lens, 0, out=self.empty[:n])
         fixed = ids is None or self.fits(ids)
-        if not fixed and ids + self.target_programs >= 2**31 - 1:  # kv_indptr and the split arithmetic are int32
-            raise InputError(f"FlattenedStep.fill: a step of {ids} entry ids does not fit the kernel's int32 kv_indptr "
-                             "(fewer requests sharing a cached prefix at once: lower max_running_requests)")
         layer_ids = ids if layer_ids is None else layer_ids
+        if not fixed and layer_ids + self.target_programs >= 2**31 - 1:  # a layer's offsets and splits are int32
+            raise InputError(f"FlattenedStep.fill: a layer of {layer_ids} entry ids does not fit the kernel's int32 "
+                             "kv_indptr (fewer requests sharing a cached prefix at once: lower max_running_requests)")
         self._by_layer = None if fixed else (data, base, width)
         self.indices = (self.kv_indices if fixed or self.fits(layer_ids)
                         else torch.empty(layer_ids + 1, dtype=torch.int64, device=self.device))
-        if fixed:
-            self._copy(data, base, width, lens, self.kv_indptr, 0, L)
         # per layer: chunk = max(min_chunk, ceil(total / target_programs)); splits = clamp(ceil(len / chunk), 1, S)
         chunk = self._chunk
-        torch.sub(self.kv_indptr[R: n + 1: R], self.kv_indptr[0: n: R], out=chunk)
+        if fixed:  # every layer's offsets in one running sum (what a graph reads), then the ids
+            torch.cumsum(lens, 0, dtype=torch.int32, out=self.kv_indptr[1: n + 1])
+            self._copy(data, base, width, self.kv_indptr, 0, L)
+            torch.sub(self.kv_indptr[R: n + 1: R], self.kv_indptr[0: n: R], out=chunk)
+        else:  # each layer's offsets at its attention (``attend``)
+            torch.sum(lens.view(L, R), 1, dtype=torch.int32, out=chunk)
         chunk.add_(self.target_programs - 1).div_(self.target_programs, rounding_mode="floor").clamp_(min=self.min_chunk)
         splits = self.num_kv_splits[:n].view(L, R)
         torch.add(lens.view(L, R), chunk[:, None], out=splits)
         splits.sub_(1).div_(chunk[:, None], rounding_mode="floor").clamp_(1, self.splits_for(R))
 
-    def _copy(self, data, base, width: int, lens: torch.Tensor, indptr: torch.Tensor, first: int, layers: int) -> None:
-        """The ids of the rows of ``layers`` layers from layer ``first`` (their lengths ``lens``, offsets ``indptr``)
+    def _copy(self, data, base, width: int, indptr: torch.Tensor, first: int, layers: int) -> None:
+        """The ids of the rows of ``layers`` layers from layer ``first`` (offsets ``indptr`` from their first row)
         into ``indices``: the Triton kernel, or without Triton a torch scatter of the padded rows [layers, B, H,
         width], padding to the discard slot."""
         if width <= 0:
@@ -237,9 +240,10 @@ class FlattenedStep:
         safe = self._safe[:B]
         if self.use_triton:
             grid = (layers * B * H, triton.cdiv(width, COPY_BLOCK))
-            _copy_rows_kernel[grid](data, base, lens, indptr, safe, self.indices, B, H, self.layers, first,
+            _copy_rows_kernel[grid](data, base, self._lens, indptr, safe, self.indices, B, H, self.layers, first,
                                     BLOCK=COPY_BLOCK)
             return
+        lens = self._lens[first * B * H: (first + layers) * B * H]
         columns = torch.arange(width, device=self.device)
         at = (base.index_select(0, safe)[:, first: first + layers, :, None] + columns).clamp(max=data.shape[0] - 1)
         rows = data[at].permute(1, 0, 2, 3).reshape(layers * B * H, width)
@@ -263,9 +267,10 @@ class FlattenedStep:
             lse = self.attn_lse.new_empty(R, G, S)
         indptr = self.kv_indptr[first: first + R + 1]
         if self._by_layer is not None:  # the step's ids past the buffer: this layer's now, from offset 0
-            indptr = torch.sub(indptr, indptr[:1], out=self._layer_indptr[: R + 1])
+            indptr = self._layer_indptr[: R + 1]  # its first element stays 0
+            torch.cumsum(self._lens[first: first + R], 0, dtype=torch.int32, out=indptr[1:])
             data, base, width = self._by_layer
-            self._copy(data, base, width, self._lens[first: first + R], indptr, layer, 1)
+            self._copy(data, base, width, indptr, layer, 1)
         return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
                       head_dim=self.head_dim, v_head_dim=self.v_head_dim,
                       kv_indptr=indptr, kv_indices=self.indices,

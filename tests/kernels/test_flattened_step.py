@@ -145,6 +145,11 @@ def test_fills_keep_every_buffer_in_place_and_refuse_oversized_steps():
     for slots in ([0], [3, 2, 1, 0], [-1, 2]):
         step.fill(ids, lengths, torch.tensor(slots), width=128)
     assert {name: t.data_ptr() for name, t in step.buffers().items()} == pointers
+    # a step laid out layer by layer needs int32 offsets for one layer's ids only (the running sum is per layer)
+    step.fill(ids, lengths, torch.tensor([3, 2]), width=128, ids=2**31, layer_ids=193)
+    assert step._by_layer is not None and step.indices is step.kv_indices
+    with pytest.raises(InputError, match="a layer of 2147483548 entry ids does not fit"):
+        step.fill(ids, lengths, torch.tensor([3, 2]), width=128, ids=2**32, layer_ids=2**31 - 100)
     with pytest.raises(InputError, match="5 requests, the buffers hold 1 to 4"):
         step.fill(ids, lengths, torch.zeros(5, dtype=torch.int64), width=8)
     with pytest.raises(InputError, match="tables"):

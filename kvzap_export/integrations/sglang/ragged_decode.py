@@ -12,7 +12,8 @@ Rows past the step's requests (SGLang pads a replayed batch to the captured size
 the store's ``scratch`` row, so their K/V and score writes land where nothing reads and their attention is zeros.
 The forward itself (what a CUDA graph captures: each layer's K/V write, the scoring hook's score write, attention)
 reads only these buffers and the store's K/V/scores, whose data pointers never change: the row tables may grow
-(``RaggedStore._ensure``) between steps because only ``layout`` reads them. Nothing reads the device back.
+(``RaggedStore._ensure``) between steps because only ``layout`` reads them (and, within its step, an eager step laid
+out layer by layer: ``FlattenedStep``). Nothing reads the device back.
 
 At capture (``capture_layout``) the batch is all padding: SGLang's capture batch is dummy rows (request row 0,
 lengths 1) that the store does not hold.
@@ -131,7 +132,7 @@ class DecodeBuffers:
                graphed: bool = False) -> BufferedDecode:
         """Lays out a decode step of the requests ``rows`` (the store's rows, in the forward's order; each appended one
         token: ``new_ids`` int64 [L, H, len(rows)]), padded to ``batch`` rows (default: no padding). ``graphed``: a CUDA
-        graph's replay, which reads the fixed ids only (an eager step past them gets its own)."""
+        graph's replay, which reads the ids laid out here only (an eager step past them is laid out layer by layer)."""
         n = len(rows)
         batch = n if batch is None else batch
         if not 0 < batch <= self.max_batch or n > batch:
