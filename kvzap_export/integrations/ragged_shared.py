@@ -158,7 +158,7 @@ class SharedRaggedStore(RaggedStore):
         self.rowref.index_add_(0, ids, -mask.to(torch.int32))
         beyond = self.capacity + 1  # sorts after every entry id: not an entry that reached 0
         zero = torch.sort(torch.where(mask & (self.rowref[ids] == 0), ids, beyond)).values
-        once = (zero < beyond) & torch.cat([zero.new_ones(1, dtype=torch.bool), zero[1:] != zero[:-1]])
+        once = (zero < beyond) & firsts(zero)
         zero = zero.clamp(max=self.capacity)
         soft = once & self.recorded[zero]
         self.soft_counter.add_(soft.sum())
@@ -179,6 +179,10 @@ class SharedRaggedStore(RaggedStore):
     def slot_count(self) -> int:
         """The engine slots the record tables cover (ids below this); their last row is the sink."""
         return self.slot_has.shape[0] - 1
+
+    def _in_tables(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` with every id outside the record tables (negative, or past them) turned into the sink's."""
+        return torch.where((slots >= 0) & (slots < self.slot_count), slots, self.slot_count)
 
     def ensure_slots(self, count: int) -> None:
         """Record tables for engine slot ids below ``count`` (grown by half at least; a number the host knows)."""
@@ -241,10 +245,8 @@ class SharedRaggedStore(RaggedStore):
 
     def _drop_sorted(self, slots: torch.Tensor) -> None:
         """``drop_records`` of sorted slot ids, on the device."""
-        sink = self.slot_count
-        slots = torch.where((slots >= 0) & (slots < sink), slots, sink)  # outside the tables: never recorded
-        first = torch.cat([slots.new_ones(1, dtype=torch.bool), slots[1:] != slots[:-1]])
-        ends = first & self.slot_has[slots]
+        slots = self._in_tables(slots)
+        ends = firsts(slots) & self.slot_has[slots]
         self.slot_has[slots] = False
         spare = self.capacity  # the entry index past the pool: never recorded, never held
         ids = torch.where(ends[:, None], self.slot_entries[slots].reshape(slots.shape[0], -1).to(torch.int64), spare)
@@ -300,7 +302,7 @@ class SharedRaggedStore(RaggedStore):
         slots = slots.reshape(-1).to(self.device, torch.int64)
         if slots.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        safe = torch.where((slots >= 0) & (slots < self.slot_count), slots, self.slot_count)  # the sink: no record
+        safe = self._in_tables(slots)
         ids = self.slot_entries[safe].reshape(slots.numel(), -1).to(torch.int64)
         soft = (self.rowref[ids] == 0).sum(-1) * self.slot_has[safe]
         return soft.to("cpu", torch.int64)
@@ -321,13 +323,10 @@ class SharedRaggedStore(RaggedStore):
                     if slots.numel()}
         if not prefixes:
             return
-        sink = self.slot_count
-        safe = {row: torch.where((slots >= 0) & (slots < sink), slots, sink)  # the sink: no record
-                for row, slots in prefixes.items()}
+        safe = {row: self._in_tables(slots) for row, slots in prefixes.items()}
         flat = torch.cat([self.slot_entries[s].reshape(-1) for s in safe.values()]).to(torch.int64)
         once = torch.sort(flat).values
-        once_first = torch.cat([once.new_ones(1, dtype=torch.bool), once[1:] != once[:-1]])
-        stop_soft = (once_first & (self.rowref[once] == 0)).sum()
+        stop_soft = (firsts(once) & (self.rowref[once] == 0)).sum()
         *recorded, soft = torch.stack([self.slot_has[s].all().to(torch.int64) for s in safe.values()]
                                       + [stop_soft]).tolist()
         for (row, slots), ok in zip(prefixes.items(), recorded):
@@ -344,7 +343,7 @@ class SharedRaggedStore(RaggedStore):
             self.host_lengths[slot] = p
             self.logical[row] = self.dense_len[row] = self.adopted[row] = p
         B, width = len(table), max(counts)
-        padded = torch.full((B, width), sink, dtype=torch.int64, device=self.device)  # the sink's entries: masked
+        padded = torch.full((B, width), self.slot_count, dtype=torch.int64, device=self.device)  # the sink: masked
         for b, slots in enumerate(safe.values()):
             padded[b, : slots.numel()] = slots
         host_counts = torch.tensor(counts)
@@ -360,6 +359,11 @@ class SharedRaggedStore(RaggedStore):
     def clear_records(self) -> None:
         """The engine let go of every slot (a cache flush: a slow path, one read for the recorded slots)."""
         self.drop_records(torch.nonzero(self.slot_has).reshape(-1))
+
+
+def firsts(ordered: torch.Tensor) -> torch.Tensor:
+    """bool [n]: where a sorted 1-d tensor's value differs from the one before it (each value's first place)."""
+    return torch.cat([ordered.new_ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]])
 
 
 def take_soft(soft: list[int], order, need: int | None) -> tuple[list[int], int]:
