@@ -19,8 +19,8 @@ graph captures) only reads fixed buffers (except an eager step laid out layer by
   attention, at offsets from the layer's first row (``layer_indptr``: that layer's running sum, so only a layer's
   ids need int32 offsets), into the fixed buffer, which holds one layer's ids unless the rows share about more than
   ``layers`` times over (then one layer's worth of ids of its own, as SGLang's Triton backend allocates for its eager
-  steps; the row tables are then read during the forward); a CUDA graph reads the ids laid out before it, so it must
-  not replay such a step;
+  steps; the row tables are then read during the forward; the step lets both go once its last layer's attention
+  is launched); a CUDA graph reads the ids laid out before it, so it must not replay such a step;
 - ``num_kv_splits`` int32 [L * max_rows]: per layer, ``ceil(length / chunk)`` clamped to [1, max_kv_splits] with
   ``chunk = max(min_chunk, ceil(layer total / target_programs))``; ``empty`` bool [L * max_rows];
 - ``attn_logits`` / ``attn_lse``: the kernel's partial results, one layer's rows (layers run one after another),
@@ -160,6 +160,7 @@ class FlattenedStep:
         self.batch = 0
         self.indices = self.kv_indices  # the ids the filled step attends over (its own where one layer's do not fit)
         self._by_layer = None  # (data, base, width) of a step whose ids are copied layer by layer
+        self._spent = False  # such a step's last layer attended: its ids (and tables) let go until the next fill
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor this instance allocated (their data pointers never change)."""
@@ -214,7 +215,7 @@ class FlattenedStep:
         if not fixed and layer_ids + self.target_programs >= 2**31 - 1:  # a layer's offsets and splits are int32
             raise InputError(f"FlattenedStep.fill: a layer of {layer_ids} entry ids does not fit the kernel's int32 "
                              "kv_indptr (fewer requests sharing a cached prefix at once: lower max_running_requests)")
-        self._by_layer = None if fixed else (data, base, width)
+        self._by_layer, self._spent = (None if fixed else (data, base, width)), False
         self.indices = (self.kv_indices if fixed or self.fits(layer_ids)
                         else torch.empty(layer_ids + 1, dtype=torch.int64, device=self.device))
         # per layer: chunk = max(min_chunk, ceil(total / target_programs)); splits = clamp(ceil(len / chunk), 1, S)
@@ -254,10 +255,14 @@ class FlattenedStep:
     def attend(self, layer: int, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float,
                out: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s attention for the filled step: q [B, kv_heads * group, D] (B = the filled batch), stores
-        [E, D] / [E, Dv]; ``out`` [B, q_heads, Dv] contiguous. Returns out."""
+        [E, D] / [E, Dv]; ``out`` [B, q_heads, Dv] contiguous. Returns out. A step laid out layer by layer attends each
+        layer once, the last one last: after it, attending again before the next ``fill`` raises."""
         R = self.batch * self.kv_heads
         if not 0 <= layer < self.layers:
             raise InputError(f"FlattenedStep.attend: layer {layer} of {self.layers}")
+        if self._spent:
+            raise RuntimeError("FlattenedStep.attend: this step was laid out layer by layer and its last layer has "
+                               "attended (its ids are let go); fill the next step first")
         first, G, S = layer * R, self.group, self.splits_for(R)
         if R * S <= self.split_rows:
             logits = self.attn_logits[: R * G * S * self.v_head_dim].view(R, G, S, self.v_head_dim)
@@ -271,8 +276,17 @@ class FlattenedStep:
             torch.cumsum(self._lens[first: first + R], 0, dtype=torch.int32, out=indptr[1:])
             data, base, width = self._by_layer
             self._copy(data, base, width, indptr, layer, 1)
-        return launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
-                      head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                      kv_indptr=indptr, kv_indices=self.indices,
-                      num_kv_splits=self.num_kv_splits[first: first + R], attn_logits=logits, attn_lse=lse,
-                      empty=self.empty[first: first + R], spare_q=self._q, out=out)
+        out = launch(self.kernels, q, k_store, v_store, scale, rows=R, kv_heads=self.kv_heads, group=self.group,
+                     head_dim=self.head_dim, v_head_dim=self.v_head_dim,
+                     kv_indptr=indptr, kv_indices=self.indices,
+                     num_kv_splits=self.num_kv_splits[first: first + R], attn_logits=logits, attn_lse=lse,
+                     empty=self.empty[first: first + R], spare_q=self._q, out=out)
+        if self._by_layer is not None and layer == self.layers - 1:
+            # the forward's last attention is launched: the step's own ids and its hold on the tables (which a
+            # packing may have replaced) go now, not at the next decode layout (a prefill may come first). The ids
+            # were allocated on the forward's stream (``fill``, inside SGLang's forward), so the caching allocator
+            # reuses them only after the kernels queued there. Replaced tables were allocated, and are reused, on
+            # SGLang's scheduling stream; that stream waits for an eager forward to end before its next batch's
+            # preparation (SGLang 0.5.23's write-after-read barrier), as it did when the next fill let them go.
+            self._by_layer, self.indices, self._spent = None, self.kv_indices, True
+        return out

@@ -81,6 +81,13 @@ def test_every_layer_equals_the_formula_over_the_tables_entries(kernels, dtype, 
         assert got.data_ptr() == out.data_ptr()
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
         assert not got[2].any() and not got[4].any()  # the padding row and the all-empty request
+    if buffer < total:  # laid out layer by layer: the last layer let its ids and tables go; a further attend is refused
+        assert step._by_layer is None and step.indices is step.kv_indices
+        with pytest.raises(RuntimeError, match="fill the next step first"):
+            step.attend(0, q, k, v, 0.25, out)
+        step.fill(ids.to(DEVICE), lengths.to(DEVICE), slots.to(DEVICE), width=int(lengths.max()), ids=total,
+                  layer_ids=per_layer)  # the next fill attends again
+        assert step.attend(0, q, k, v, 0.25, out).data_ptr() == out.data_ptr()
 
 
 def test_a_small_step_runs_more_splits_in_the_same_buffers(kernels):

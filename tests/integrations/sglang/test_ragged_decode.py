@@ -187,6 +187,21 @@ def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eage
     assert store.table.relocated + store.table.packs > moved, "no row outgrew its capacity: the test proves less"
 
 
+def shared_prefix_store(layers: int, prefix: int, seed: int, device: str = DEVICE):
+    """A shared store where row 0 recorded a ``prefix``-token prompt and rows 1-3 adopted it (SGLang's radix cache
+    giving one cached prefix to three more requests), random K/V at every entry; with the K/V writer."""
+    store = SharedRaggedStore(layers * HEADS * 40, layers, HEADS, DIM, rows=4, width=8, slots=64, device=device)
+    run = Run.__new__(Run)  # only its random K/V writer
+    run.g, run.layers, run.device, run.dtype = torch.Generator().manual_seed(seed), layers, device, torch.float32
+    run.store = store
+    new = store.append([0], [prefix])
+    run.write(new)
+    slots = torch.arange(1, prefix + 1, device=device)  # SGLang's slot ids of the prompt's tokens
+    assert store.record([0], [prefix], slots, new) == prefix
+    store.adopt_all({row: slots for row in (1, 2, 3)})
+    return store, run
+
+
 @pytest.mark.parametrize("layers", [2, 4])
 def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_layer_by_layer(kernels, layers):
     """Requests that adopted one cached prefix (SGLang's radix cache) each list its entries, so a step's rows can hold
@@ -196,14 +211,7 @@ def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_layer_by_layer(kernels
     320), else into one layer's worth of ids of its own (2 layers: 248 of 160), never the whole step's. Every layer
     equals the formula."""
     prefix = 30
-    store = SharedRaggedStore(layers * HEADS * 40, layers, HEADS, DIM, rows=4, width=8, slots=64, device=DEVICE)
-    run = Run.__new__(Run)  # only its random K/V writer
-    run.g, run.layers, run.device, run.dtype = torch.Generator().manual_seed(5), layers, DEVICE, torch.float32
-    run.store = store
-    new = store.append([0], [prefix])
-    run.write(new)
-    assert store.record([0], [prefix], torch.arange(1, prefix + 1), new) == prefix
-    store.adopt_all({row: torch.arange(1, prefix + 1) for row in (1, 2, 3)})
+    store, run = shared_prefix_store(layers, prefix, seed=5)
     rows = [0, 1, 2, 3]
     new = store.append(rows, [1] * len(rows))
     run.write(new)
@@ -225,8 +233,71 @@ def test_rows_sharing_a_prefix_past_the_graphs_ids_attend_layer_by_layer(kernels
         want = ragged_decode_attention(q[:4], store.k, store.v, store.layer_ids(slots, layer, width),
                                        store.lengths[slots, layer], 0.3)
         torch.testing.assert_close(out[:4], want, **F32)
+    assert buffers.flat.indices.data_ptr() == fixed and buffers.flat._by_layer is None  # let go after the last layer
     buffers.layout(rows[:1], new[:, :, :1], 2, graphed=True)  # a step that fits goes back to the graphs' buffer
     assert buffers.flat.indices.data_ptr() == fixed and buffers.flat._by_layer is None
+
+
+@pytest.mark.gpu
+def test_a_graph_replays_right_after_an_eager_step_laid_out_layer_by_layer(kernels):
+    """On a GPU: a decode forward captured once (2 layers, a batch of 2); then an eager step of four rows sharing a
+    cached prefix, past the graphs' ids (each layer's ids copied before its attention into ids of its own); then a
+    step that fits, laid out for the graph and replayed. The replay reads the graphs' buffers again, not the eager
+    step's ids: its output equals the float32 formula over the store's entries and the kernel run eagerly on the same
+    buffers (bit for bit); the padding row gives zeros."""
+    layers, prefix, batch = 2, 30, 2
+    store, run = shared_prefix_store(layers, prefix, seed=11, device="cuda")
+    buffers = DecodeBuffers(store, 5, GROUP, torch.float32, kernels=kernels, max_kv_splits=2, small_batch_splits=4)
+    q = run.randn(layers, batch, HEADS * GROUP, DIM)
+    k_new, v_new = run.randn(layers, batch, HEADS, DIM), run.randn(layers, batch, HEADS, DIM)
+    out = torch.zeros(layers, batch, HEADS * GROUP, DIM, device="cuda")
+    decode = buffers.capture_layout(batch)
+
+    def forward():
+        for layer in range(layers):
+            write_entries(store, decode.new_ids[layer], k_new[layer], v_new[layer])
+            buffers.attend(layer, q[layer], 0.3, out[layer])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    fixed = buffers.flat.kv_indices.data_ptr()
+
+    def check(rows, got, q_rows):
+        slots = store.slots(rows)
+        for layer in range(layers):
+            want = ragged_decode_attention(q_rows[layer], store.k, store.v,
+                                           store.layer_ids(slots, layer, store.widths(rows)[layer]),
+                                           store.lengths[slots, layer], 0.3)
+            torch.testing.assert_close(got[layer], want, **F32)
+
+    rows = [0, 1, 2, 3]
+    new = store.append(rows, [1] * len(rows))
+    run.write(new)
+    assert not buffers.fits_graph(rows)
+    buffers.layout(rows, new, 5)  # eager: 248 ids per layer, past the graphs' 160
+    eager_q = run.randn(layers, 5, HEADS * GROUP, DIM)
+    assert buffers.flat.indices.data_ptr() != fixed
+    got = [buffers.attend(layer, eager_q[layer], 0.3, torch.empty(5, HEADS * GROUP, DIM, device="cuda"))[:4]
+           for layer in range(layers)]
+    check(rows, got, eager_q[:, :4])
+    new = store.append([0], [1])
+    buffers.layout([0], new, batch, graphed=True)
+    assert buffers.flat.indices.data_ptr() == fixed
+    for t in (q, k_new, v_new):
+        t.copy_(run.randn(*t.shape))
+    graph.replay()
+    check([0], out[:, :1], q[:, :1])
+    assert not out[:, 1:].any()  # the padding row
+    for layer in range(layers):
+        eager = torch.empty_like(out[layer])
+        buffers.attend(layer, q[layer], 0.3, eager)
+        assert torch.equal(out[layer], eager)
 
 
 def test_only_a_step_past_the_graphs_ids_is_sent_to_the_eager_path():
