@@ -139,6 +139,7 @@ SGLANG_API: tuple[ApiName, ...] = (
     # server setup checked at the first step end (ServerSetup)
     ApiName(_SCHED, "Scheduler.tree_cache", "field"),
     ApiName(_SCHED, "Scheduler.enable_pdmux", "field"),
+    ApiName("sglang.srt.arg_groups.fields.exec_", "ExecOverlap.enable_two_batch_overlap", "field"),
     ApiName(_SCHED, "Scheduler.enable_overlap", "field"),
     ApiName(_SCHED, "Scheduler.forward_stream", "field"),
     ApiName(_SCHED, "Scheduler.schedule_stream", "field"),

@@ -90,7 +90,7 @@ class ServerSetup:
     SGLang's loops. Every mode needs every layer in this process (no pipeline parallelism), ranks that schedule the same
     requests (no attention data parallelism), a cache that stays on this server (no prefill/decode disaggregation, whose
     transfers read logical lengths), Python hooks that run once per forward at every step (no speculative decoding, no
-    PD multiplexing; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
+    PD multiplexing, no two-batch overlap; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
     (no mixed chunks: the masking backends mask decode, not extend).
     """
 
@@ -114,6 +114,7 @@ class ServerSetup:
     kv_heads: int = 0  # the model's KV heads (all ranks together)
     radix_tree: str = ""  # the class of SGLang's tree cache (ragged mode shares prefixes through KVzap's own)
     pdmux: bool = False  # PD multiplexing (--enable-pdmux): a prompt's forward split into layer groups
+    two_batch_overlap: bool = False  # --enable-two-batch-overlap: a batch's forward as two micro-batches
 
     @classmethod
     def of(cls, scheduler) -> "ServerSetup":
@@ -136,7 +137,8 @@ class ServerSetup:
                    prefill_graphs=prefill_graphs,
                    tp_size=int(parallel.tp_size), kv_heads=int(scheduler.model_config.get_total_num_kv_heads()),
                    radix_tree=type(scheduler.tree_cache).__name__,
-                   pdmux=bool(scheduler.enable_pdmux))
+                   pdmux=bool(scheduler.enable_pdmux),
+                   two_batch_overlap=bool(context.get_exec().overlap.enable_two_batch_overlap))
 
     def problems(self, mode: str, decode_backends: tuple[str, ...] = (), prefill_backends: tuple[str, ...] = ()) -> list[str]:
         """Each setting that is wrong for ``mode``, with the flag that fixes it.
@@ -159,6 +161,9 @@ class ServerSetup:
                        "run_batch each, and KVzap's step end decides a prompt once its whole forward has run)")
         if self.speculative:
             out.append("speculative decoding is on (drop --speculative-algorithm)")
+        if self.two_batch_overlap:
+            out.append("two-batch overlap is on (drop --enable-two-batch-overlap: it runs a batch as two micro-batches, "
+                       "each with its own attention metadata, and KVzap lays a step out once per forward)")
         if self.unified_memory:
             out.append("unified memory is on (drop --enable-unified-memory)")
         if self.dcp_size != 1:

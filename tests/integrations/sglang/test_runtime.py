@@ -145,6 +145,7 @@ ALL = ("evict", "mask", "ragged")
     ({"radix_cache": True, "radix_tree": "KVzapRaggedRadixCache"}, ("evict", "mask"), "--disable-radix-cache"),
     ({"speculative": True}, ALL, "--speculative-algorithm"),
     ({"pdmux": True}, ALL, "--enable-pdmux"),
+    ({"two_batch_overlap": True}, ALL, "--enable-two-batch-overlap"),
     ({"unified_memory": True}, ALL, "--enable-unified-memory"),
     ({"dcp_size": 2}, ALL, "--dcp-size 1"),
     ({"pp_size": 2}, ALL, "--pp-size 1"),
