@@ -137,6 +137,19 @@ def test_a_decode_step_transfers_nothing_inside_the_forward_and_a_constant_aroun
     assert first["prepare"] == (5, 2) and first["end"] == (0, 1), first
 
 
+def captured(forward) -> "torch.cuda.CUDAGraph":
+    """``forward`` run once on a side stream (the kernels compile outside the capture), then captured in a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph
+
+
 @pytest.mark.gpu
 def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eager(kernels):
     """On a GPU (bf16): every layer's K/V write, score write and attention captured ONCE in a ``torch.cuda.CUDAGraph``
@@ -157,14 +170,7 @@ def test_a_decode_forward_captured_in_a_cuda_graph_replays_fifty_steps_like_eage
             store.scores.index_copy_(0, decode.new_ids[layer].T.reshape(-1), s_new[layer])
             buffers.attend(layer, q[layer], 0.3, out[layer])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = captured(forward)
     moved = store.table.relocated + store.table.packs
     for _ in range(50):
         run.lengths = [n + 1 for n in run.lengths]
@@ -258,14 +264,7 @@ def test_a_graph_replays_right_after_an_eager_step_laid_out_layer_by_layer(kerne
             write_entries(store, decode.new_ids[layer], k_new[layer], v_new[layer])
             buffers.attend(layer, q[layer], 0.3, out[layer])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = captured(forward)
     fixed = buffers.flat.kv_indices.data_ptr()
 
     def check(rows, got, q_rows):
