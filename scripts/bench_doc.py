@@ -5,8 +5,9 @@
 
 The page holds a ``summary`` block and one block per suite between ``<!-- generated: KEY -->`` and
 ``<!-- end generated -->``; the prose around them is written by hand. docs/bench/suites.yaml declares the suites and
-their figures of record. Also generated: docs/bench/<record>.md for each SGLang stream record of a suite (every figure
-it holds) and docs/bench/INDEX.md (one line per record). ``--check`` also checks the .md beside each GPU check record
+their figures of record (a stream suite of several records, runs of one code path: the medians over them, then each
+run). Also generated: docs/bench/<record>.md for each SGLang stream record of a suite (every figure it holds) and
+docs/bench/INDEX.md (one line per record). ``--check`` also checks the .md beside each GPU check record
 (gpu_check.sh writes both) against gpu_check_summary.py's rendering of its checks, targets and figures.
 """
 
@@ -22,18 +23,15 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the two renderers beside this script, also when imported
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the renderers beside this script, also when imported
 
 import gpu_check_summary  # noqa: E402
-from sglang_stream_report import SCALARS, report, spread, table  # noqa: E402
-
-from kvzap_export.bench.stream_figures import compare  # noqa: E402
+from sglang_stream_report import table  # noqa: E402
+from stream_doc import fmt, several_headline, stream_block, stream_full, stream_headline  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_SCHEMA = "kvzap-export-gpu-check/1"
 BLOCK = re.compile(r"<!-- generated: (\S+) -->\n(.*?)<!-- end generated -->", re.DOTALL)
-SHOWN = {key for _, key, _ in SCALARS} | {"requests_per_s", "kv_pool_entries", "output_tokens", "finished", "launch_s",
-                                           "decode_step_s", "decode_steps", "extend_steps", "bytes"}  # by report()
 
 
 class RecordError(Exception):
@@ -94,18 +92,6 @@ class Records:
         return f"Machine: {self.machine(name)}. Date: {self.date(name)}. Commit: {self.commit(name)[0]}."
 
 
-def fmt(value) -> str:
-    if value is None or isinstance(value, bool):
-        return {None: "–", True: "yes", False: "no"}[value]
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {fmt(v)}" for k, v in value.items())
-    return str(value)
-
-
 def rows_table(rows: list[dict], skip: tuple = ("benchmark",)) -> str:
     """Every key of the rows; a key with one value in every row goes in the line above the table."""
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in skip]
@@ -113,67 +99,6 @@ def rows_table(rows: list[dict], skip: tuple = ("benchmark",)) -> str:
     head = f"Every row: {', '.join(f'{k} {fmt(rows[0][k])}' for k in shared)}.\n\n" if shared else ""
     cols = [k for k in keys if k not in shared]
     return head + table(cols, [[fmt(r.get(k)) for k in cols] for r in rows])
-
-
-def shares(doc: dict) -> dict[str, dict]:
-    """KVzap's own share: each configuration against the same code with KVzap off (stream_figures.compare)."""
-    pairs = {label: f"{label}, KVzap off" for label in doc["summary"] if f"{label}, KVzap off" in doc["summary"]}
-    return {label: compare(doc["summary"], doc["runs"], baseline=off)[label] | {"off": off} for label, off in pairs.items()}
-
-
-def stream_headline(doc: dict) -> str:
-    base, n = doc["settings"].get("baseline", "dense"), doc["settings"]["rounds"]
-    ratios = "; ".join(f"{lab}: {v['tokens_per_s_ratio']:.2f}×" for lab, v in doc["vs_dense"].items())
-    own = "; ".join(f"{lab} ÷ {v['off']}: {v['tokens_per_s_ratio']:.2f}×" for lab, v in shares(doc).items())
-    return (f"output tokens/s ÷ {base} ({doc['summary'][base]['tokens_per_s']['median']:.2f}), "
-            f"{'one round' if n == 1 else f'medians of {n} rounds'}: {ratios}" + (f". KVzap's own share, {own}" if own else ""))
-
-
-def stream_block(suite: Suite, recs: Records) -> str:
-    name = suite.records[0]
-    doc = recs.load(name)
-    s, summary, versus, probe = doc["settings"], doc["summary"], doc["vs_dense"], doc["dense_backend"]
-    rounds = lambda values: ", ".join(f"{v:.2f}" for v in values)  # noqa: E731
-    base = s.get("baseline", "dense")
-    shared = f" (the first {s['shared_prefix_tokens']} shared by all)" if s.get("shared_prefix_tokens") else ""
-    overlap = {r["label"]: {True: "on", False: "off"}.get(r.get("overlap_schedule"), "–") for r in doc["runs"]}
-    out = [(f"- Record: [`bench/{name}`](bench/{name}); every figure it holds: [`bench/{name[:-5]}.md`]"
-            f"(bench/{name[:-5]}.md) (generated)."), f"- {recs.provenance(name)}",
-           f"- Command: `{suite.command or doc['command']}`",
-           (f"- Workload: {s['requests']} requests × {s['prompt_tokens']} prompt tokens{shared} × {s['new_tokens']} new "
-            f"tokens, a pool of {s['pool_tokens']:,} dense tokens, {s['rounds']} interleaved rounds. Baseline ({base}): "
-            f"SGLang's `{probe['chosen']}` backend, the fastest of its probe. SGLang's overlap scheduler: "
-            + "; ".join(f"{label}: {on}" for label, on in overlap.items()) + "."), ""]
-    for label, share in shares(doc).items():
-        v = versus[label]
-        out += [(f"**{label}: {v['tokens_per_s_ratio']:.2f}× {base}** in output tokens/s over the whole stream "
-                 f"({summary[label]['tokens_per_s']['median']:.2f} against {summary[base]['tokens_per_s']['median']:.2f}"
-                 f", medians over the rounds; within each round {rounds(v['tokens_per_s_ratio_per_round'])}). **KVzap's "
-                 f"own share: {share['tokens_per_s_ratio']:.2f}×** (against {share['off']}: the same code with KVzap "
-                 f"off; within each round {rounds(share['tokens_per_s_ratio_per_round'])})."), ""]
-    cols = ["configuration", "output tokens/s", f"÷ {base}", f"÷ {base}, each round", "most running", "freed at peak",
-            "TTFT p50 (s)", "inter-token p50 (s)", "prefill s / 1k tokens"]
-    rows = [[label, spread(e["tokens_per_s"], 2), "–" if label == base else f"{versus[label]['tokens_per_s_ratio']:.2f}",
-             "–" if label == base else rounds(versus[label]["tokens_per_s_ratio_per_round"]),
-             spread(e["max_running"], 0), spread(e["freed_at_peak"], 3), spread(e["ttft_p50_s"], 2),
-             spread(e["itl_p50_s"], 3), spread(e["prefill_s_per_1k_tokens"], 3)] for label, e in summary.items()]
-    return "\n".join(out) + "\nMedians over the rounds [min–max]:\n\n" + table(cols, rows) + "\n"
-
-
-def stream_full(name: str, doc: dict) -> str:
-    """Every figure of a stream record: sglang_stream_report's rendering, then what it leaves out."""
-    runs = doc["runs"]
-    extra = [k for k in dict.fromkeys(k for r in runs for k in r["figures"]) if k not in SHOWN | {"tokens_per_s"}]
-    settings = [k for k in dict.fromkeys(k for r in runs for k in r)
-                if k not in ("round", "label", "attention_backend", "radix_cache", "overlap_schedule", "figures")]
-    rows = [[str(r["round"]), r["label"], *[fmt(r.get(k)) for k in settings], *[fmt(r["figures"].get(k)) for k in extra],
-             ", ".join(str(e["prompt_tokens"]) for e in r["figures"]["extend_steps"])] for r in runs]
-    return (f"# {name}: every figure it holds\n\nGenerated by `python scripts/bench_doc.py` from [{name}]({name}) "
-            "(`scripts/sglang_stream_report.py`'s rendering, then what that leaves out); do not edit.\n\n"
-            + report(doc) + "\nEach run's settings and the figures the tables above leave out:\n\n"
-            + table(["round", "configuration", *settings, *extra, "prompt tokens of each prefill step"], rows)
-            + f"\n\nAlso in the record: command `{doc.get('command')}`, device `{doc.get('device')}`, errors "
-              f"`{json.dumps(doc.get('errors'))}`, settings `{json.dumps(doc['settings'])}`.\n")
 
 
 def limit_met(value: float, limit: str) -> bool:
@@ -258,7 +183,7 @@ def rows_block(suite: Suite, recs: Records) -> str:
 def suite_headline(suite: Suite, recs: Records) -> str:
     docs = [recs.load(n) for n in suite.records]
     if suite.kind == "stream":
-        return stream_headline(docs[0])
+        return stream_headline(docs[0]) if len(docs) == 1 else several_headline(docs)
     if suite.kind == "gpu-check":
         met = sum(limit_met(statistics.median(v for v in values if v is not None), limit)
                   for limit, values in target_values(docs).values())
@@ -335,8 +260,8 @@ def generated(recs: Records) -> tuple[dict[str, tuple[str, str]], dict[Path, tup
     blocks["summary"] = (summary_block(recs), "every suite's records")  # last: a suite's own table names its records
     fill = lambda m: f"<!-- generated: {m.group(1)} -->\n{blocks[m.group(1)][0]}<!-- end generated -->"  # noqa: E731
     files = {page: (BLOCK.sub(fill, text), "the blocks")}
-    files |= {recs.bench / f"{s.records[0][:-5]}.md": (stream_full(s.records[0], recs.load(s.records[0])), s.records[0])
-              for s in recs.suites if s.kind == "stream"}
+    files |= {recs.bench / f"{n[:-5]}.md": (stream_full(n, recs.load(n)), n)
+              for s in recs.suites if s.kind == "stream" for n in s.records}
     return blocks, files | {recs.bench / "INDEX.md": (index(recs), "the JSON records under docs/bench")}
 
 
