@@ -41,37 +41,41 @@ def stream_headline(doc: dict) -> str:
             f"{'one round' if n == 1 else f'medians of {n} rounds'}: {ratios}" + (f". KVzap's own share, {own}" if own else ""))
 
 
+def ratios(values) -> str:
+    """Ratios as the docs list them: "1.44, 1.47, 1.45"."""
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
 def run_ratios(docs: list[dict]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each configuration's tokens/s ratio to the baseline in each record (its median over its rounds), and each
-    KVzap share's, keyed as the first record has them."""
+    KVzap share's (keyed "label ÷ label, KVzap off"), as the first record has them."""
     versus = {label: [d["vs_dense"][label]["tokens_per_s_ratio"] for d in docs] for label in docs[0]["vs_dense"]}
-    own = {f"{label} ÷ {share['off']}": [shares(d)[label]["tokens_per_s_ratio"] for d in docs]
-           for label, share in shares(docs[0]).items()}
+    each = [shares(d) for d in docs]
+    own = {f"{label} ÷ {share['off']}": [s[label]["tokens_per_s_ratio"] for s in each]
+           for label, share in each[0].items()}
     return versus, own
 
 
 def several_headline(docs: list[dict]) -> str:
     """The headline of a stream suite with several records (runs of one code path): medians over the runs."""
     versus, own = run_ratios(docs)
-    listed = lambda vals: f"{statistics.median(vals):.2f}× ({', '.join(f'{v:.2f}' for v in vals)})"  # noqa: E731
+    listed = lambda vals: f"{statistics.median(vals):.2f}× ({ratios(vals)})"  # noqa: E731
     return (f"output tokens/s ÷ {docs[0]['settings'].get('baseline', 'dense')}, median of {len(docs)} runs (each the "
             f"median of its {docs[0]['settings']['rounds']} rounds): "
             + "; ".join(f"{label}: {listed(v)}" for label, v in versus.items())
             + (". KVzap's own share, " + "; ".join(f"{k}: {listed(v)}" for k, v in own.items()) if own else ""))
 
 
-def stream_runs(suite, recs) -> list[str]:
-    """A stream suite's several records: the medians over them, then one row per run."""
-    docs = [recs.load(n) for n in suite.records]
+def stream_runs(suite, recs, docs: list[dict]) -> list[str]:
+    """A stream suite's several records (``docs``): the medians over them, then one row per run."""
     base = docs[0]["settings"].get("baseline", "dense")
     versus, own = run_ratios(docs)
-    out = [f"**{label}: {statistics.median(v):.2f}× {base}**, the median of {len(docs)} runs of this code path "
-           f"(each run's ratio of medians over its rounds: {', '.join(f'{x:.2f}' for x in v)})."
-           for label, v in versus.items() if label in shares(docs[0])]
-    out += [f"**KVzap's own share, {k}: {statistics.median(v):.2f}×** ({', '.join(f'{x:.2f}' for x in v)})."
-            for k, v in own.items()]
+    pruning = [label for label in versus if f"{label}, KVzap off" in docs[0]["summary"]]
+    out = [f"**{label}: {statistics.median(versus[label]):.2f}× {base}**, the median of {len(docs)} runs of this code "
+           f"path (each run's ratio of medians over its rounds: {ratios(versus[label])})." for label in pruning]
+    out += [f"**KVzap's own share, {k}: {statistics.median(v):.2f}×** ({ratios(v)})." for k, v in own.items()]
     rows = [[f"[{i}](bench/{n})", recs.commit(n)[0], recs.date(n), f"{d['summary'][base]['tokens_per_s']['median']:.2f}",
-             *[f"{versus[label][i - 1]:.2f}" for label in versus], *[f"{own[k][i - 1]:.2f}" for k in own]]
+             *[f"{v[i - 1]:.2f}" for v in (*versus.values(), *own.values())]]
             for i, (n, d) in enumerate(zip(suite.records, docs), 1)]
     head = ["run", "commit", "date", f"{base} tokens/s", *[f"{label} ÷ {base}" for label in versus],
             *[f"share: {k}" for k in own]]
@@ -80,37 +84,37 @@ def stream_runs(suite, recs) -> list[str]:
 
 
 def stream_block(suite, recs) -> str:
-    name = suite.records[0]
-    doc = recs.load(name)
+    docs = [recs.load(n) for n in suite.records]
+    name, doc = suite.records[0], docs[0]
     s, summary, versus, probe = doc["settings"], doc["summary"], doc["vs_dense"], doc["dense_backend"]
-    rounds = lambda values: ", ".join(f"{v:.2f}" for v in values)  # noqa: E731
     base = s.get("baseline", "dense")
     shared = f" (the first {s['shared_prefix_tokens']} shared by all)" if s.get("shared_prefix_tokens") else ""
     overlap = {r["label"]: {True: "on", False: "off"}.get(r.get("overlap_schedule"), "–") for r in doc["runs"]}
-    out = [(f"- Record: [`bench/{name}`](bench/{name}); every figure it holds: [`bench/{name[:-5]}.md`]"
-            f"(bench/{name[:-5]}.md) (generated)."), f"- {recs.provenance(name)}",
-           f"- Command: `{suite.command or doc['command']}`",
-           (f"- Workload: {s['requests']} requests × {s['prompt_tokens']} prompt tokens{shared} × {s['new_tokens']} new "
-            f"tokens, a pool of {s['pool_tokens']:,} dense tokens, {s['rounds']} interleaved rounds. Baseline ({base}): "
-            f"SGLang's `{probe['chosen']}` backend, the fastest of its probe. SGLang's overlap scheduler: "
-            + "; ".join(f"{label}: {on}" for label, on in overlap.items()) + "."), ""]
-    if len(suite.records) > 1:
-        out[0] = ("- Records, runs of one code path at these settings: " + ", ".join(
-            f"[`bench/{n}`](bench/{n}) ([.md](bench/{n[:-5]}.md))" for n in suite.records)
-            + "; each .md (generated) holds every figure of its record.")
-        out[1] = f"- Run 1: {recs.provenance(name)}"
-        out += stream_runs(suite, recs)
+    if len(docs) == 1:
+        out = [(f"- Record: [`bench/{name}`](bench/{name}); every figure it holds: [`bench/{name[:-5]}.md`]"
+                f"(bench/{name[:-5]}.md) (generated)."), f"- {recs.provenance(name)}"]
+    else:
+        out = [("- Records, runs of one code path at these settings: " + ", ".join(
+                f"[`bench/{n}`](bench/{n}) ([.md](bench/{n[:-5]}.md))" for n in suite.records)
+                + "; each .md (generated) holds every figure of its record."), f"- Run 1: {recs.provenance(name)}"]
+    out += [f"- Command: `{suite.command or doc['command']}`",
+            (f"- Workload: {s['requests']} requests × {s['prompt_tokens']} prompt tokens{shared} × {s['new_tokens']} "
+             f"new tokens, a pool of {s['pool_tokens']:,} dense tokens, {s['rounds']} interleaved rounds. Baseline "
+             f"({base}): SGLang's `{probe['chosen']}` backend, the fastest of its probe. SGLang's overlap scheduler: "
+             + "; ".join(f"{label}: {on}" for label, on in overlap.items()) + "."), ""]
+    if len(docs) > 1:
+        out += stream_runs(suite, recs, docs)
     for label, share in shares(doc).items():
         v = versus[label]
         out += [(f"**{label}: {v['tokens_per_s_ratio']:.2f}× {base}** in output tokens/s over the whole stream "
                  f"({summary[label]['tokens_per_s']['median']:.2f} against {summary[base]['tokens_per_s']['median']:.2f}"
-                 f", medians over the rounds; within each round {rounds(v['tokens_per_s_ratio_per_round'])}). **KVzap's "
+                 f", medians over the rounds; within each round {ratios(v['tokens_per_s_ratio_per_round'])}). **KVzap's "
                  f"own share: {share['tokens_per_s_ratio']:.2f}×** (against {share['off']}: the same code with KVzap "
-                 f"off; within each round {rounds(share['tokens_per_s_ratio_per_round'])})."), ""]
+                 f"off; within each round {ratios(share['tokens_per_s_ratio_per_round'])})."), ""]
     cols = ["configuration", "output tokens/s", f"÷ {base}", f"÷ {base}, each round", "most running", "freed at peak",
             "TTFT p50 (s)", "inter-token p50 (s)", "prefill s / 1k tokens"]
     rows = [[label, spread(e["tokens_per_s"], 2), "–" if label == base else f"{versus[label]['tokens_per_s_ratio']:.2f}",
-             "–" if label == base else rounds(versus[label]["tokens_per_s_ratio_per_round"]),
+             "–" if label == base else ratios(versus[label]["tokens_per_s_ratio_per_round"]),
              spread(e["max_running"], 0), spread(e["freed_at_peak"], 3), spread(e["ttft_p50_s"], 2),
              spread(e["itl_p50_s"], 3), spread(e["prefill_s_per_1k_tokens"], 3)] for label, e in summary.items()]
     return "\n".join(out) + "\nMedians over the rounds [min–max]:\n\n" + table(cols, rows) + "\n"

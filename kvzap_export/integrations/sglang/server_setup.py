@@ -90,8 +90,8 @@ class ServerSetup:
     SGLang's loops. Every mode needs every layer in this process (no pipeline parallelism), ranks that schedule the same
     requests (no attention data parallelism), a cache that stays on this server (no prefill/decode disaggregation, whose
     transfers read logical lengths), Python hooks that run once per forward at every step (no speculative decoding, no
-    PD multiplexing, no two-batch overlap; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go through the decode path
-    (no mixed chunks: the masking backends mask decode, not extend).
+    PD multiplexing, no two-batch overlap; no CUDA graphs, except ragged mode's decode graphs) and decode rows that go
+    through the decode path (no mixed chunks: the masking backends mask decode, not extend).
     """
 
     radix_cache: bool
