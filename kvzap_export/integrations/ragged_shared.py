@@ -7,10 +7,9 @@ mode").
 What it adds to ``RaggedStore``:
 
 - **records**: an engine slot (one logical token of the engine's own bookkeeping) whose token a dense prefill
-  computed keeps that token's full entries, one per (layer, KV head): ``slot_entries`` int32 [slots + 1, L, H] and
-  ``slot_has`` bool [slots + 1] (the last row a sink that never holds a record). A record outlives the request that
-  computed it for as long as the engine holds the
-  slot (its prefix cache); a later request whose prompt starts with the same tokens adopts the records into
+  computed keeps that token's full entries, one per (layer, KV head), in ``records`` (``slot_records.py``: a table
+  the pool bounds, and a 4-byte index per slot id). A record outlives the request that computed it for as long as
+  the engine holds the slot (its prefix cache); a later request whose prompt starts with the same tokens adopts the records into
   its own row instead of computing them again, and then decides on every entry as its own prompt's;
 - **reference counts**: ``rowref`` int32 [capacity + 1] counts the rows that hold an entry, ``recorded`` marks
   the entries a record holds. An entry goes back to the free list when neither holds it. An entry a record holds
@@ -29,6 +28,7 @@ import torch
 
 from kvzap_export.errors import InputError
 from kvzap_export.integrations.ragged_store import RaggedStore, upload
+from kvzap_export.integrations.slot_records import SlotRecords
 
 DROP_CHUNK = 1 << 20  # entries per chunk of ``drop_records`` (its scratch: a few tens of bytes per entry)
 
@@ -44,10 +44,8 @@ class SharedRaggedStore(RaggedStore):
         super().__init__(capacity, num_layers, num_kv_heads, head_dim, v_head_dim, **kwargs)
         self.rowref = torch.zeros(capacity + 1, dtype=torch.int32, device=self.device)
         self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
-        # one row more than the engine slots they cover: a sink that never holds a record (``drop_records``)
-        self.slot_entries = torch.zeros(max(slots, 1) + 1, num_layers, num_kv_heads, dtype=torch.int32,
-                                        device=self.device)
-        self.slot_has = torch.zeros(max(slots, 1) + 1, dtype=torch.bool, device=self.device)
+        # at most one record per dense token of the pool is alive (slot_records.py); ``slots``: the index to start with
+        self.records = SlotRecords(capacity // (num_layers * num_kv_heads), slots, num_layers, num_kv_heads, self.device)
         self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
         # callable(short, extra=0): frees at least ``short`` more entries, and ``extra`` more where the engine's cache
@@ -117,7 +115,7 @@ class SharedRaggedStore(RaggedStore):
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         out = super().nbytes()
         out["sharing"] = size(self.rowref) + size(self.recorded)
-        out["slot_records"] = size(self.slot_entries) + size(self.slot_has)
+        out["slot_records"] = self.records.nbytes()
         return out
 
     def append(self, rows: list[int], counts: list[int]) -> torch.Tensor:
@@ -177,24 +175,8 @@ class SharedRaggedStore(RaggedStore):
     # ---- records -------------------------------------------------------------------------------------
     @property
     def slot_count(self) -> int:
-        """The engine slots the record tables cover (ids below this); their last row is the sink."""
-        return self.slot_has.shape[0] - 1
-
-    def _in_tables(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` with every id outside the record tables (negative, or past them) turned into the sink's."""
-        return torch.where((slots >= 0) & (slots < self.slot_count), slots, self.slot_count)
-
-    def ensure_slots(self, count: int) -> None:
-        """Record tables for engine slot ids below ``count`` (grown by half at least; a number the host knows)."""
-        have = self.slot_count
-        if count <= have:
-            return
-        size = max(count, have + have // 2)
-        entries = self.slot_entries.new_zeros(size + 1, self.num_layers, self.num_kv_heads)
-        entries[:have] = self.slot_entries[:have]
-        has = self.slot_has.new_zeros(size + 1)
-        has[:have] = self.slot_has[:have]
-        self.slot_entries, self.slot_has = entries, has
+        """The engine slots the records' index covers (ids below this)."""
+        return self.records.slot_count
 
     def record(self, rows: list[int], counts: list[int], slots: torch.Tensor, new_ids: torch.Tensor,
                exclude: set[int] = frozenset(), *, slots_below: int | None = None) -> int:
@@ -222,10 +204,9 @@ class SharedRaggedStore(RaggedStore):
         if kept < start:
             picked = upload(self.device, torch.cat(where))[0]
             slots, new_ids = slots[picked], new_ids[..., picked]
-        self.ensure_slots(slots_below if slots_below is not None else int(slots.max()) + 1)
+        self.records.ensure(slots_below if slots_below is not None else int(slots.max()) + 1)
         self.drop_records(slots)  # a slot is recorded once (the engine reuses a slot only after freeing it)
-        self.slot_entries[slots] = new_ids.permute(2, 0, 1).to(torch.int32)
-        self.slot_has[slots] = True
+        self.records.add(slots, new_ids.permute(2, 0, 1))
         self.recorded[new_ids.reshape(-1)] = True
         return kept
 
@@ -245,11 +226,10 @@ class SharedRaggedStore(RaggedStore):
 
     def _drop_sorted(self, slots: torch.Tensor) -> None:
         """``drop_records`` of sorted slot ids, on the device."""
-        slots = self._in_tables(slots)
-        ends = firsts(slots) & self.slot_has[slots]
-        self.slot_has[slots] = False
+        slots = self.records.in_tables(slots)
+        ends = firsts(slots) & self.records.has(slots)
         spare = self.capacity  # the entry index past the pool: never recorded, never held
-        ids = torch.where(ends[:, None], self.slot_entries[slots].reshape(slots.shape[0], -1).to(torch.int64), spare)
+        ids = torch.where(ends[:, None], self.records.end(slots, ends), spare)
         self.recorded[ids] = False
         free = ends[:, None] & (self.rowref[ids] == 0)
         self.soft_counter.sub_(free.sum())
@@ -302,9 +282,9 @@ class SharedRaggedStore(RaggedStore):
         slots = slots.reshape(-1).to(self.device, torch.int64)
         if slots.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        safe = self._in_tables(slots)
-        ids = self.slot_entries[safe].reshape(slots.numel(), -1).to(torch.int64)
-        soft = (self.rowref[ids] == 0).sum(-1) * self.slot_has[safe]
+        safe = self.records.in_tables(slots)
+        ids = self.records.ids(safe).reshape(slots.numel(), -1).to(torch.int64)
+        soft = (self.rowref[ids] == 0).sum(-1) * self.records.has(safe)
         return soft.to("cpu", torch.int64)
 
     def adopt(self, row: int, slots: torch.Tensor) -> None:
@@ -323,11 +303,11 @@ class SharedRaggedStore(RaggedStore):
                     if slots.numel()}
         if not prefixes:
             return
-        safe = {row: self._in_tables(slots) for row, slots in prefixes.items()}
-        flat = torch.cat([self.slot_entries[s].reshape(-1) for s in safe.values()]).to(torch.int64)
+        safe = {row: self.records.in_tables(slots) for row, slots in prefixes.items()}
+        flat = torch.cat([self.records.ids(s).reshape(-1) for s in safe.values()]).to(torch.int64)
         once = torch.sort(flat).values
         stop_soft = (firsts(once) & (self.rowref[once] == 0)).sum()
-        *recorded, soft = torch.stack([self.slot_has[s].all().to(torch.int64) for s in safe.values()]
+        *recorded, soft = torch.stack([self.records.has(s).all().to(torch.int64) for s in safe.values()]
                                       + [stop_soft]).tolist()
         for (row, slots), ok in zip(prefixes.items(), recorded):
             if not ok:
@@ -350,7 +330,7 @@ class SharedRaggedStore(RaggedStore):
         self._columns(torch.tensor(table), host_counts[:, None, None].expand(B, self.num_layers, self.num_kv_heads))
         table_dev, counts_dev = upload(self.device, torch.tensor(table), host_counts)
         valid = torch.arange(width, device=self.device) < counts_dev[:, None]  # [B, width]
-        self.table.write(table_dev, self.slot_entries[padded].permute(0, 2, 3, 1),
+        self.table.write(table_dev, self.records.ids(padded).permute(0, 2, 3, 1),
                          valid[:, None, None, :].expand(B, self.num_layers, self.num_kv_heads, width))
         self.lengths[table_dev] = counts_dev[:, None, None].to(self.lengths.dtype)
         self._soft_change(-soft)
@@ -358,7 +338,7 @@ class SharedRaggedStore(RaggedStore):
 
     def clear_records(self) -> None:
         """The engine let go of every slot (a cache flush: a slow path, one read for the recorded slots)."""
-        self.drop_records(torch.nonzero(self.slot_has).reshape(-1))
+        self.drop_records(self.records.recorded_slots())
 
 
 def firsts(ordered: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,10 @@ def accounted(store: SharedRaggedStore) -> None:
     assert not bool(held[free].any()) and not bool(store.recorded[free].any())
     assert int(soft.sum()) == store.soft
     assert store.available + store.soft + int(held.sum()) == store.capacity
+    records = store.records  # every record row is either on its free stack or one recorded slot's, once
+    used = records.row_of[records.recorded_slots()].to(torch.int64)
+    spare = records._free[: int(records.top)].to(torch.int64)
+    assert torch.cat([used, spare]).sort().values.tolist() == list(range(records.records))
 
 
 def test_a_new_row_adopts_the_full_prefix_another_rows_decisions_pruned():
@@ -114,9 +118,9 @@ def test_records_end_in_chunks_each_once_and_only_for_slots_inside_the_tables(mo
     store.release(0)
     assert store.slot_count == 8 and store.soft == L * H * 7
     store.drop_records(torch.tensor([-2, -1, 8, 99]))
-    assert store.soft == L * H * 7 and bool(store.slot_has[7])
+    assert store.soft == L * H * 7 and bool(store.records.has(torch.tensor([7])))
     store.drop_records(torch.tensor([3, 2, 2, 5, 2, 3, 1]))  # sorted: 1 2 | 2 2 | 3 3 | 5
-    assert store.soft == L * H * 3 and store.slot_has[:8].tolist() == [False, False, False, False, True, False, True, True]
+    assert store.soft == L * H * 3 and store.records.has(torch.arange(8)).tolist() == [False, False, False, False, True, False, True, True]
     accounted(store)
     store.clear_records()
     assert store.available == store.capacity and store.soft == 0
@@ -209,7 +213,7 @@ def test_records_the_prefix_cache_has_not_taken_yet_can_be_dropped_and_are_not_c
     free = store.available
     assert store.drop_unanchored(1) == L * H and store.dropped_prompts == 1  # token 1's: only the record held them
     assert store.soft == 0 and store.available == free + L * H and store.dense_len[0] == 0
-    assert not bool(store.slot_has[1:7].any()) and bool(store.slot_has[7:10].all())
+    assert not bool(store.records.has(torch.arange(1, 7)).any()) and bool(store.records.has(torch.arange(7, 10)).all())
     assert list(store.unanchored) == [1] and store.dense_len[1] == 3  # kept: the tree may still cache it
     assert store.drop_unanchored() == 0 and list(store.unanchored) == [1]
     accounted(store)

@@ -13,10 +13,12 @@ one-head entries of the ``RaggedStore``, and every entry costs more than its K a
   ``0.75 · entries / MIN_COLUMNS`` rows. Past that the table grows and logs it;
 - on the flattened decode path (SGLang's decode kernel, ``KVZAP_RAGGED_DECODE_KERNEL=sglang``, the default on CUDA)
   its place in the step's ``kv_indices`` (int64);
-- with SGLang's radix cache on (``ragged_radix.py``): its reference count (int32) and record mark (bool), and
-  ``SLOT_RECORD_BYTES`` for the slots' records (a logical slot's entry ids, int32 per (layer, KV head), and its
-  mark), reserved for up to ``SLOT_RECORDS`` logical slots per dense token (the logical slot ids grow with the
-  requests KVzap's freeing admits; past that the record table outgrows its reservation).
+- with SGLang's radix cache on (``ragged_radix.py``): its reference count (int32) and record mark (bool), and the
+  slots' records (``integrations/slot_records.py``, ``slot_record_bytes``): a record's entry ids, one int32 per entry
+  (at most one record per dense token is alive, whatever the slot ids), and, spread over a dense token's entries, the
+  records' free stack and their index by logical slot id (int32), reserved for ``SLOT_INDEX`` logical slots per dense
+  token (the logical slot ids grow with the requests KVzap's freeing admits: 2.1x the dense tokens at 53% pruned;
+  past the reservation the index grows and logs it).
 
 The AROUND hook on ``config_from_budget`` hands SGLang's sizing the part of the budget that leaves room for these:
 ``budget · kv / (kv + extras)`` per entry (one entry kept back for the store's scratch row), so the pool SGLang
@@ -42,8 +44,16 @@ from kvzap_export.errors import ConfigError
 from kvzap_export.integrations.sglang.api import sglang_module
 
 TABLE_COLUMNS = 2  # row-table columns reserved per entry (module docstring)
-SLOT_RECORDS = 2  # logical slots' records reserved per dense token, radix cache on (module docstring)
-SLOT_RECORD_BYTES = SLOT_RECORDS * (4 + 1)  # per entry: SLOT_RECORDS slots' int32 entry id (+ at most a byte of mark)
+SLOT_INDEX = 8  # logical slot ids per dense token the records' index is reserved for, radix cache on (module docstring)
+
+
+def slot_record_bytes(per_token: int) -> int:
+    """Per entry, radix cache on: the records' entry ids (int32; one record per dense token), and a dense token's
+    share of the records' free stack (int32 per record), index (int32 for each of ``SLOT_INDEX`` logical slots) and one
+    int32 more (the sink rows and the stack's top, once per pool), spread over ``per_token`` entries, rounded up.
+    ``per_token``: the fewest entries a dense token has on a rank, the layers alone (a rank holding one KV head), so
+    that the share is never short under tensor parallelism."""
+    return 4 + -(-4 * (2 + SLOT_INDEX) // max(per_token, 1))
 
 
 @dataclass(frozen=True)
@@ -89,13 +99,14 @@ class BudgetPlan:
 
 
 def plan(budget_bytes: int, head_dim: int, v_head_dim: int, dtype: torch.dtype, flattened_decode: bool,
-         shared: bool = False) -> BudgetPlan:
+         shared: bool = False, per_token: int = 1) -> BudgetPlan:
+    """The per-entry costs (module docstring); ``per_token``: ``slot_record_bytes``' (the layers)."""
     size = torch.empty(0, dtype=dtype).element_size()
     extras = {"scores": size, "free_list": 4, "row_tables": 4 * TABLE_COLUMNS}
     if flattened_decode:
         extras["decode_indices"] = 8
     if shared:
-        extras.update(sharing=4 + 1, slot_records=SLOT_RECORD_BYTES)
+        extras.update(sharing=4 + 1, slot_records=slot_record_bytes(per_token))
     return BudgetPlan(int(budget_bytes), (head_dim + v_head_dim) * size, extras)
 
 
@@ -112,8 +123,9 @@ def budget_hook(parts, original_fn, configurator, budget_bytes, *args, **kwargs)
     model = configurator.model_config
     device = torch.device(configurator.device)
     flattened = decode_kernel(device) == "sglang"
+    per_token = int(model.num_hidden_layers)  # a token's entries on a rank holding one KV head: never under-reserved
     parts.plan = plan(budget_bytes, int(model.head_dim), int(model.v_head_dim), configurator.kv_cache_dtype,
-                      flattened, shares_prefixes())
+                      flattened, shares_prefixes(), per_token)
     config = original_fn(configurator, parts.plan.dense_budget(), *args, **kwargs)
     if not flattened:
         return config

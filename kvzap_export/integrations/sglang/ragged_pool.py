@@ -14,6 +14,7 @@ from kvzap_export.integrations.ragged_shared import SharedRaggedStore
 from kvzap_export.integrations.ragged_store import RaggedStore
 from kvzap_export.integrations.rank_room import RankRoom
 from kvzap_export.integrations.sglang.api import sglang_module
+from kvzap_export.integrations.sglang.ragged_budget import SLOT_INDEX
 from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_radix import shares_prefixes
 from kvzap_export.integrations.sglang.server_setup import tp_group
@@ -184,6 +185,8 @@ def allocator_hook(parts: RaggedParts, original_fn, configurator, *args, **kwarg
         # at least the first tables (tiny pools)
         # int32 columns, allocated now, for SGLang's request rows
         store.reserve_table(budget.split(store.capacity)["row_tables"] // 4, int(kwargs["req_to_token_pool"].size))
+        if isinstance(store, SharedRaggedStore):  # the records' index: SLOT_INDEX logical slots per dense token
+            store.records.reserve = SLOT_INDEX * tokens
         log.info("KVzap ragged mode: %d one-head K/V entries (%d tokens x %d layers x %d KV heads) take %s",
                  store.capacity, tokens, layers, heads, budget.describe(store.capacity))
     return allocator

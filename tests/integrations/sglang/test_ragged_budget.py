@@ -96,7 +96,7 @@ def test_the_hook_hands_sglang_the_budget_less_the_bookkeeping(monkeypatch):
     monkeypatch.setattr(ragged_radix, "shares_prefixes", lambda: True)  # radix on: reference counts and slot records
     budget_hook(parts, original, configurator, 1_000_000)
     shared = parts.plan
-    assert shared.extras["sharing"] == 5 and shared.extras["slot_records"] == ragged_budget.SLOT_RECORD_BYTES
+    assert shared.extras["sharing"] == 5 and shared.extras["slot_records"] == ragged_budget.slot_record_bytes(LAYERS)
     assert seen[-1][1] < seen[-3][1]
 
 
@@ -169,3 +169,45 @@ def test_sglangs_post_capture_resize_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ConfigError, match="SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"):
         budget_hook(parts, lambda *a, **k: "config", configurator, 1_000_000, cap_tokens=500)
     assert parts.plan is None
+
+
+def test_records_stay_inside_the_budget_when_the_slot_ids_run_far_past_the_dense_tokens(caplog):
+    """Radix cache on, 72% of each prompt pruned: a pool sized from a budget as the engine sizes it (reference counts, record marks,
+    records), prompts recorded under fresh engine slot ids (SGLang's logical allocator grows with the requests KVzap's
+    freeing admits), decided, and their records ended when the pool runs short (the reclaim's last resort). The slot
+    ids reach more than three times the pool's dense tokens; what the store allocated never exceeds the budget, and
+    the records' index stays inside its reservation. (Records indexed by slot id, 25 bytes a slot here, took 84 bytes
+    per dense token at 3.4 slot ids per token against 60 reserved.)"""
+    from kvzap_export.integrations.ragged_shared import SharedRaggedStore
+
+    budget, per_token, window, prompt = 4_000_000, LAYERS * HEADS, 16, 160
+    p = plan(budget, DIM, DIM, torch.float32, False, shared=True, per_token=LAYERS)
+    tokens = dense_tokens(p.dense_budget(), p.kv_bytes)
+    store = SharedRaggedStore(tokens * per_token, LAYERS, HEADS, DIM, rows=4, width=16, slots=tokens + 1)
+    store.reserve_table(p.split(store.capacity)["row_tables"] // 4, slots=256)
+    store.records.reserve = ragged_budget.SLOT_INDEX * tokens  # as the allocator hook sets it
+    g = torch.Generator().manual_seed(7)
+    next_slot, recorded = 1, []
+    with caplog.at_level(logging.WARNING):
+        for row in range(256):
+            if store.available < (prompt + window) * per_token:
+                if not recorded:
+                    break
+                store.drop_records(torch.cat(recorded))  # soft entries back to the free list
+                store.exact()
+                recorded = []
+                if store.available < (prompt + window) * per_token:
+                    break
+            new = store.append([row], [prompt])
+            store.scores[new.reshape(-1)] = torch.randn(new.numel(), generator=g)
+            slots = torch.arange(next_slot, next_slot + prompt)
+            next_slot += prompt
+            assert store.record([row], [prompt], slots, new, slots_below=next_slot) == prompt
+            recorded.append(slots)
+            tau = float(torch.nanquantile(store.prompt_scores([row], window), 0.8))  # 0.8 of the 144 outside the window
+            store.decide_prefill([row], tau, window)
+            allocated = sum(store.nbytes().values())
+            assert allocated <= budget, (allocated, budget, next_slot / tokens)
+    assert next_slot > 3 * tokens  # the slot ids ran past three times the dense tokens
+    assert store.records.entries.shape[0] == tokens + 1  # one record row per dense token (and the sink)
+    assert not [r for r in caplog.records if "reservation" in r.getMessage()]
