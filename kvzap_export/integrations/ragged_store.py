@@ -97,9 +97,7 @@ class RaggedStore:
         self.v = torch.zeros(capacity + 1, self.v_head_dim, dtype=dtype, device=self.device)
         self.scores = torch.zeros(capacity + 1, dtype=dtype, device=self.device)
         # Top of the stack = the end; the first ids taken are 0, 1, 2, ... (ascending, contiguous).
-        self._free = torch.cat([torch.arange(capacity - 1, -1, -1, dtype=torch.int32),
-                                torch.zeros(1, dtype=torch.int32)]).to(self.device)
-        self.top = torch.full((1,), capacity, dtype=torch.int64, device=self.device)
+        self._free, self.top = decode_decision.full_stack(capacity, self.device)
         self.soft_counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # SharedRaggedStore's soft entries
         self.mirror = HostMirror(self, capacity)
         # the rows' entry ids, each row with its own capacity (row_table.py); ``width`` columns a row to start with

@@ -37,10 +37,7 @@ class SlotRecords:
         self.device = device
         self.entries = torch.zeros(self.records + 1, num_layers, num_kv_heads, dtype=torch.int32, device=device)
         self.row_of = torch.full((max(slots, 1) + 1,), self.records, dtype=torch.int32, device=device)
-        # the free stack of record rows (top = the end; one spare element past it, as the entries' free list)
-        self._free = torch.cat([torch.arange(self.records - 1, -1, -1, dtype=torch.int32),
-                                torch.zeros(1, dtype=torch.int32)]).to(device)
-        self.top = torch.full((1,), self.records, dtype=torch.int64, device=device)
+        self._free, self.top = decode_decision.full_stack(self.records, device)  # the free record rows
         self.reserve: int | None = None  # slot ids a budget reserved the index for (growth past it is logged)
 
     @property

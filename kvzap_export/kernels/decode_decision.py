@@ -68,6 +68,13 @@ def decide_leaving(scores: torch.Tensor, ids: torch.Tensor, lengths: torch.Tenso
     return torch.where(evict, candidate, -1).to(torch.int32)
 
 
+def full_stack(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A free stack holding the ids 0 .. n-1, the first popped 0, 1, 2, ... (ascending): ``free`` int32 [n + 1] (its
+    spare element last) and ``top`` int64 [1], on ``device``."""
+    free = torch.cat([torch.arange(n - 1, -1, -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]).to(device)
+    return free, torch.full((1,), n, dtype=torch.int64, device=device)
+
+
 def push(freed: torch.Tensor, free: torch.Tensor, top: torch.Tensor) -> None:
     """The free stack's push (module docstring): the ids ``freed >= 0`` (int32, any shape; -1: nothing) go on
     ``free[top:]`` in their order, ``top`` (int64 [1]) grows by their number. In place, no host read."""

@@ -156,7 +156,7 @@ def test_one_long_request_beside_many_short_ones_stays_inside_the_budget(caplog,
         store.append(rows, [1] * len(rows))
         store.decide_decode(rows, 0.0, window)
         inside()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="kvzap_export"):
         assert store.table.grown == 0 and not [r for r in caplog.records if "row tables" in r.getMessage()]
 
 
@@ -188,7 +188,7 @@ def test_records_stay_inside_the_budget_when_the_slot_ids_run_far_past_the_dense
     store.records.reserve = ragged_budget.SLOT_INDEX * tokens  # as the allocator hook sets it
     g = torch.Generator().manual_seed(7)
     next_slot, recorded = 1, []
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="kvzap_export"):
         for row in range(256):
             if store.available < (prompt + window) * per_token:
                 if not recorded:
