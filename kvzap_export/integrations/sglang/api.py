@@ -216,6 +216,9 @@ SGLANG_API: tuple[ApiName, ...] = (
             ("self", "forward_batch", "in_capture")),
     # a decode step whose rows share more ids than the graphs' buffer runs eagerly (ragged_decode.graph_fits_hook)
     ApiName(_GRAPHS, "DecodeCudaGraphRunner.can_run_graph", "method", ("self", "forward_batch")),
+    # ragged mode skips SGLang's FlashInfer autotune (server_setup.autotune_hook): its dummy forward has no layout
+    ApiName("sglang.srt.model_executor.runner.flashinfer_autotune", "should_run_flashinfer_autotune", "function",
+            ("model_runner",)),
     ApiName(_POOL, "ReqToTokenPool.size", "field"),
     ApiName(_POOL, "NoOpMHATokenToKVPool._finalize_allocation_log", "method", ("self", "num_tokens")),
     ApiName(_POOL, "MHATokenToKVPool.layer_num", "field"),

@@ -42,6 +42,7 @@ from kvzap_export.integrations.sglang.ragged_decode import (BufferedDecode, Deco
 from kvzap_export.integrations.sglang.ragged_parts import RaggedParts
 from kvzap_export.integrations.sglang.ragged_rows import Step, StoreRows, build_step
 from kvzap_export.integrations.sglang.runtime import KVzapSGLang
+from kvzap_export.integrations.sglang.server_setup import autotune_hook
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +377,7 @@ def register(register_hook, kind, one_line) -> RaggedParts:
     register_hook(api("Scheduler.get_new_batch_prefill").target, ragged_radix.prefill_hold_hook, kind.AROUND)
     register_hook(api("DecodeCudaGraphRunner.can_run_graph").target, functools.partial(graph_fits_hook, parts),
                   kind.AFTER)
+    register_hook(api("should_run_flashinfer_autotune").target, autotune_hook, kind.AROUND)
     backend = backend_class(parts)
     registry.register_attention_backend(BACKEND)(lambda runner: backend(runner))
     choices.add_attention_backend_choices([BACKEND])

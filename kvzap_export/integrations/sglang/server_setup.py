@@ -75,6 +75,18 @@ def prefill_graphs_default(server_args, previous) -> None:
                 "in Python); decode graphs as SGLang set them", config.prefill.backend)
 
 
+def autotune_hook(original_fn, model_runner, *args, **kwargs) -> bool:
+    """AROUND ``should_run_flashinfer_autotune`` in ragged mode: SGLang 0.5.23 tunes FlashInfer's MoE and FP4/FP8 GEMM
+    kernels (quantized or MoE models, SM 90 and newer) with a dummy forward built outside any scheduled batch, which
+    has no ragged layout (the backend lays out only batches the scheduler allocated): where SGLang would run it, it is
+    skipped, with one log line, and those kernels keep FlashInfer's default tactics. Elsewhere SGLang's answer."""
+    if not original_fn(model_runner, *args, **kwargs):
+        return False
+    log.warning("KVzap ragged mode: SGLang's FlashInfer autotune skipped (its dummy forward has no ragged layout); "
+                "FlashInfer's MoE/FP4/FP8 kernels use their default tactics")
+    return False
+
+
 RAGGED_TREE = "KVzapRaggedRadixCache"  # ragged_radix.py's tree (ragged mode's radix cache)
 
 

@@ -275,3 +275,26 @@ def test_masking_backends_attend_to_exactly_kvpress_set(surrogate, kvzap_mode):
     (mask,) = decode_block_masks(runtime, layer, fb, "cpu")
     flex = flex_attention(q[None, :, None], k[None], v[None], block_mask=mask, enable_gqa=True)[0, :, 0]
     assert torch.allclose(flex, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("sglang_would_run", [True, False])
+def test_ragged_mode_skips_sglangs_flashinfer_autotune_with_one_line_where_it_would_run(caplog, sglang_would_run):
+    """Plumbing of the AROUND hook on ``should_run_flashinfer_autotune`` (ragged.register installs it): SGLang's own
+    answer is asked with its arguments; where it says tune, ragged mode answers no and says why in one warning (the
+    dummy forward has no ragged layout); elsewhere nothing is logged. SGLang answers yes only on CUDA with quantized or
+    MoE models (SM 90+): that path has not run here."""
+    import logging
+
+    from kvzap_export.integrations.sglang.server_setup import autotune_hook
+
+    asked = []
+
+    def sglang(runner, *, for_speculative_draft=False):
+        asked.append((runner, for_speculative_draft))
+        return sglang_would_run
+
+    with caplog.at_level(logging.WARNING, logger="kvzap_export"):
+        assert autotune_hook(sglang, "runner", for_speculative_draft=True) is False
+    assert asked == [("runner", True)]
+    lines = [r.getMessage() for r in caplog.records if "autotune" in r.getMessage()]
+    assert len(lines) == (1 if sglang_would_run else 0), lines
