@@ -1,6 +1,7 @@
 """Run in the SGLang environment: SGLang's argument resolution with KVzap's plugin loaded, CUDA's default graph
 settings on this CPU machine (``default_prefill_backend`` answering as on CUDA: breakable prefill graphs), and prints
-the prefill and decode graph backends it resolved, with the plugin's log lines, as JSON.
+the prefill and decode graph backends it resolved, with the plugin's log lines, as JSON; also whether the model
+runner's binding of ``should_run_flashinfer_autotune`` is a hook's wrapper (ragged mode skips SGLang's autotune).
 
     python graph_defaults_script.py BUNDLE MODEL MODE [PREFILL_BACKEND]
 """
@@ -30,5 +31,8 @@ if len(sys.argv) > 4:
 args = ServerArgs(**kwargs)
 args.resolve_once()
 graphs = resolved_view(args).cuda_graph_config
-print(json.dumps({"prefill": graphs.prefill.backend, "decode": graphs.decode.backend,
+from sglang.srt.model_executor.runner import base_runner  # noqa: E402
+
+hooked = getattr(base_runner.should_run_flashinfer_autotune, "__wrapped__", None) is not None
+print(json.dumps({"prefill": graphs.prefill.backend, "decode": graphs.decode.backend, "autotune_hooked": hooked,
                   "log": [line for line in lines.getvalue().splitlines() if "kvzap" in line.lower()]}))

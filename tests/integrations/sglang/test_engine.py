@@ -178,6 +178,7 @@ def test_ragged_mode_turns_sglangs_default_prefill_graphs_off_in_its_argument_re
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["prefill"] == expected and out["decode"] == "full", out
+    assert out["autotune_hooked"] == (mode == "ragged"), out  # server_setup.autotune_hook, in base_runner's binding
     turned_off = [line for line in out["log"] if "prefill CUDA graphs off" in line]
     assert len(turned_off) == (1 if expected == "disabled" else 0), out["log"]
     # at warning: the driver launches SGLang with log_level="warning", and a user should see why graphs are off
