@@ -37,7 +37,7 @@ from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
-from kvzap_export.integrations.sglang.server_setup import (ServerSetup, graphs_problem, prefill_graphs_default,
+from kvzap_export.integrations.sglang.server_setup import (ServerSetup, graphs_problem, prefill_graphs_default, runner_problem,
                                                            tp_group, tp_size_rank)
 from kvzap_export.integrations.sglang.settings import (check_sglang_version, evict_frees_nothing,
                                                        pruned_fraction_from_env, threshold_from_env)
@@ -134,8 +134,9 @@ def _scheduler_built_hook(result, scheduler, *args, **kwargs):
 def _graphs_hook(model_runner, *args, **kwargs):
     """Before the model runner captures graphs: the masking modes' hooks run in Python, which graph replay skips, and
     ragged mode's extend lays each prompt out in Python; a launch with graphs on where its mode cannot run them stops
-    here in one line (checked again with every other setting once the scheduler exists)."""
-    problem = graphs_problem(_CONFIG["mode"])
+    here in one line, as does one with speculative decoding or pipeline parallelism, which SGLang acts on before the
+    scheduler exists (``runner_problem``; checked again with every other setting once the scheduler exists)."""
+    problem = graphs_problem(_CONFIG["mode"]) or runner_problem(model_runner)
     if problem is not None:
         raise ConfigError(f"KVzap ({_CONFIG['mode']} mode) cannot run on this SGLang server: {problem} "
                           "(stopped before the capture)")

@@ -75,6 +75,24 @@ def prefill_graphs_default(server_args, previous) -> None:
                 "in Python); decode graphs as SGLang set them", config.prefill.backend)
 
 
+SPECULATIVE_PROBLEM = "speculative decoding is on (drop --speculative-algorithm)"
+
+
+def pipeline_problem(pp_size: int) -> str | None:
+    return f"pipeline parallelism is {pp_size} (use --pp-size 1)" if pp_size != 1 else None
+
+
+def runner_problem(model_runner) -> str | None:
+    """Settings ``ServerSetup`` refuses that SGLang acts on before the scheduler exists, read from the model runner
+    before it captures (``plugin.py``'s BEFORE hook on ``init_cuda_graphs``): speculative decoding (a draft worker
+    captures and warms up through KVzap's backend) and pipeline parallelism (with SGLang's opt-in DeepGEMM warm-up, a
+    dummy forward the ragged backend has no layout for)."""
+    spec = getattr(model_runner, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        return SPECULATIVE_PROBLEM
+    return pipeline_problem(int(sglang_module("sglang.srt.runtime_context").get_parallel().pp_size))
+
+
 def autotune_hook(original_fn, model_runner, *args, **kwargs) -> bool:
     """AROUND ``should_run_flashinfer_autotune`` in ragged mode: SGLang 0.5.23 tunes FlashInfer's MoE and FP4/FP8 GEMM
     kernels (quantized or MoE models, SM 90 and newer) with a dummy forward built outside any scheduled batch, which
@@ -172,7 +190,7 @@ class ServerSetup:
             out.append("PD multiplexing is on (drop --enable-pdmux: it runs a prompt's forward in layer splits, one "
                        "run_batch each, and KVzap's step end decides a prompt once its whole forward has run)")
         if self.speculative:
-            out.append("speculative decoding is on (drop --speculative-algorithm)")
+            out.append(SPECULATIVE_PROBLEM)
         if self.two_batch_overlap:
             out.append("two-batch overlap is on (drop --enable-two-batch-overlap: it runs a batch as two micro-batches, "
                        "each with its own attention metadata, and KVzap lays a step out once per forward)")
@@ -181,7 +199,7 @@ class ServerSetup:
         if self.dcp_size != 1:
             out.append(f"decode context parallelism is {self.dcp_size} (use --dcp-size 1)")
         if self.pp_size != 1:
-            out.append(f"pipeline parallelism is {self.pp_size} (use --pp-size 1)")
+            out.append(pipeline_problem(self.pp_size))
         if self.attn_dp_size != 1:
             out.append(f"attention data parallelism is {self.attn_dp_size} (use --attn-dp-size 1)")
         if self.disaggregation != "null":

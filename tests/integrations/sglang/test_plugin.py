@@ -140,7 +140,8 @@ def test_graphs_a_mode_cannot_run_stop_the_launch_before_the_capture_in_one_line
 
     on = {"decode": decode, "prefill": prefill}
     config = SimpleNamespace(check_cuda_graph_backend=lambda phase, backend: backend == "disabled" and not on[phase],
-                             get_exec=lambda: SimpleNamespace(graph=SimpleNamespace(enable_torch_compile=compile_)))
+                             get_exec=lambda: SimpleNamespace(graph=SimpleNamespace(enable_torch_compile=compile_)),
+                             get_parallel=lambda: SimpleNamespace(pp_size=1))
     monkeypatch.setenv("KVZAP_RAGGED_DECODE_KERNEL", path)
     monkeypatch.setattr(server_setup, "sglang_module", lambda name: config)
     monkeypatch.setattr(plugin, "_CONFIG", {"mode": mode})
@@ -152,6 +153,37 @@ def test_graphs_a_mode_cannot_run_stop_the_launch_before_the_capture_in_one_line
     message = str(info.value)
     assert message.startswith(f"kvzap-export: KVzap ({mode} mode) cannot run on this SGLang server: {refused}")
     assert "\n" not in message and message.endswith("(stopped before the capture)")
+
+
+@pytest.mark.parametrize("mode", ["ragged", "evict"])
+@pytest.mark.parametrize("speculative, pp, refused", [
+    (False, 1, None),
+    (True, 1, "speculative decoding is on (drop --speculative-algorithm)"),
+    (False, 2, "pipeline parallelism is 2 (use --pp-size 1)"),
+])
+def test_speculative_decoding_and_pipeline_parallelism_stop_the_launch_before_the_capture(clean, monkeypatch, mode,
+                                                                                         speculative, pp, refused):
+    """SGLang's model worker captures graphs and warms up (a draft worker's capture, the opt-in DeepGEMM warm-up's
+    dummy forward under pipeline parallelism) before the scheduler exists, where ``ServerSetup`` would refuse these: the
+    BEFORE hook on ``ModelRunner.init_cuda_graphs`` refuses them first, with the same words. The model runner and
+    SGLang's context are stood in (plumbing; ``spec_algorithm.is_none()`` and ``get_parallel().pp_size`` are SGLang
+    0.5.23's names, test_api.py checks the hook's target)."""
+    from types import SimpleNamespace
+
+    from kvzap_export.integrations.sglang import server_setup
+
+    config = SimpleNamespace(check_cuda_graph_backend=lambda phase, backend: backend == "disabled",
+                             get_exec=lambda: SimpleNamespace(graph=SimpleNamespace(enable_torch_compile=False)),
+                             get_parallel=lambda: SimpleNamespace(pp_size=pp))
+    monkeypatch.setattr(server_setup, "sglang_module", lambda name: config)
+    monkeypatch.setattr(plugin, "_CONFIG", {"mode": mode})
+    runner = SimpleNamespace(spec_algorithm=SimpleNamespace(is_none=lambda: not speculative))
+    if refused is None:
+        assert plugin._graphs_hook(runner) is None
+        return
+    with pytest.raises(SystemExit) as info:
+        plugin._graphs_hook(runner)
+    assert str(info.value) == f"kvzap-export: KVzap ({mode} mode) cannot run on this SGLang server: {refused} (stopped before the capture)"
 
 
 def test_the_step_end_runs_on_the_forwards_stream_only_under_the_overlap_scheduler_on_a_gpu():
