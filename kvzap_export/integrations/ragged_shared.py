@@ -9,8 +9,8 @@ What it adds to ``RaggedStore``:
 - **records**: an engine slot (one logical token of the engine's own bookkeeping) whose token a dense prefill
   computed keeps that token's full entries, one per (layer, KV head), in ``records`` (``slot_records.py``: a table
   the pool bounds, and a 4-byte index per slot id). A record outlives the request that computed it for as long as
-  the engine holds the slot (its prefix cache); a later request whose prompt starts with the same tokens adopts the records into
-  its own row instead of computing them again, and then decides on every entry as its own prompt's;
+  the engine holds the slot (its prefix cache); a later request whose prompt starts with the same tokens adopts the
+  records into its own row instead of computing them again, and then decides on every entry as its own prompt's;
 - **reference counts**: ``rowref`` int32 [capacity + 1] counts the rows that hold an entry, ``recorded`` marks
   the entries a record holds. An entry goes back to the free list when neither holds it. An entry a record holds
   and no row does is **soft** (``soft``: how many; counted on the device, learned by the host like the free count,
@@ -45,7 +45,8 @@ class SharedRaggedStore(RaggedStore):
         self.rowref = torch.zeros(capacity + 1, dtype=torch.int32, device=self.device)
         self.recorded = torch.zeros(capacity + 1, dtype=torch.bool, device=self.device)
         # at most one record per dense token of the pool is alive (slot_records.py); ``slots``: the index to start with
-        self.records = SlotRecords(capacity // (num_layers * num_kv_heads), slots, num_layers, num_kv_heads, self.device)
+        dense_tokens = capacity // (num_layers * num_kv_heads)
+        self.records = SlotRecords(dense_tokens, slots, num_layers, num_kv_heads, self.device)
         self.dense_len: dict[int, int] = {}  # request row -> its leading logical positions whose tokens are recorded
         self.adopted: dict[int, int] = {}  # request row -> tokens it adopted, until the engine's step end reads it
         # callable(short, extra=0): frees at least ``short`` more entries, and ``extra`` more where the engine's cache

@@ -9,7 +9,7 @@ dense prefill computed for its token), and a recorded entry is never freed while
 ``capacity // (layers · kv_heads)`` records (the pool's dense tokens) are alive at once, whatever the slot ids.
 
 So the records live in a fixed table of that many rows, ``entries`` int32 [records + 1, L, H], and each slot has a
-4-byte index into it, ``row_of`` int32 [slots + 1] (``records``, the sink row, for a slot without a record; the
+4-byte index into it, ``row_of`` int32 [slots + 1] (``rows``, the sink row, for a slot without a record; the
 last slot is a sink too: every id outside the tables reads it). Record rows come from a free stack on the device
 (``decode_decision.push`` / ``pop``), so adding and ending records reads nothing back: adding ``n`` records pops
 ``n`` rows (a number the host knows), ending them pushes the rows of the slots that had one (a count only the
@@ -29,15 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class SlotRecords:
-    """Records of engine slots (module docstring): ``records`` rows for ``num_layers`` × ``num_kv_heads`` entry ids,
-    indexed by ``slots`` engine slot ids to start with (grown by ``ensure``)."""
+    """Records of engine slots (module docstring): ``records`` rows for ``num_layers`` × ``num_kv_heads`` entry ids
+    (``rows``; row ``rows`` is the sink), indexed by ``slots`` engine slot ids to start with (grown by ``ensure``)."""
 
     def __init__(self, records: int, slots: int, num_layers: int, num_kv_heads: int, device: torch.device):
-        self.records = max(records, 1)
+        self.rows = max(records, 1)
         self.device = device
-        self.entries = torch.zeros(self.records + 1, num_layers, num_kv_heads, dtype=torch.int32, device=device)
-        self.row_of = torch.full((max(slots, 1) + 1,), self.records, dtype=torch.int32, device=device)
-        self._free, self.top = decode_decision.full_stack(self.records, device)  # the free record rows
+        self.entries = torch.zeros(self.rows + 1, num_layers, num_kv_heads, dtype=torch.int32, device=device)
+        self.row_of = torch.full((max(slots, 1) + 1,), self.rows, dtype=torch.int32, device=device)
+        self._free, self.top = decode_decision.full_stack(self.rows, device)  # the free record rows
         self.reserve: int | None = None  # slot ids a budget reserved the index for (growth past it is logged)
 
     @property
@@ -62,7 +62,7 @@ class SlotRecords:
             log.warning("ragged KV store: the engine's slot ids reach %d, past the %d the record index's reservation "
                         "holds; the index grows to %d slots (4 bytes each)", count, self.reserve, size)
             self.reserve = None  # logged once
-        row_of = torch.full((size + 1,), self.records, dtype=torch.int32, device=self.device)
+        row_of = torch.full((size + 1,), self.rows, dtype=torch.int32, device=self.device)
         row_of[:have] = self.row_of[:have]
         self.row_of = row_of
 
@@ -72,7 +72,7 @@ class SlotRecords:
 
     def has(self, safe: torch.Tensor) -> torch.Tensor:
         """bool, ``safe``'s shape: whether each slot (``in_tables``' output) holds a record."""
-        return self.row_of[safe] != self.records
+        return self.row_of[safe] != self.rows
 
     def ids(self, safe: torch.Tensor) -> torch.Tensor:
         """int32 [*safe.shape, L, H]: each slot's recorded entry ids (the sink row's, meaningless, without a record)."""
@@ -95,9 +95,9 @@ class SlotRecords:
         rows = self.row_of[safe]
         ids = self.entries[rows.to(torch.int64)].reshape(safe.shape[0], -1).to(torch.int64)
         decode_decision.push(torch.where(ends, rows, -1), self._free, self.top)
-        self.row_of[torch.where(ends, safe, self.slot_count)] = self.records  # the sink slot keeps the sink row
+        self.row_of[torch.where(ends, safe, self.slot_count)] = self.rows  # the sink slot keeps the sink row
         return ids
 
     def recorded_slots(self) -> torch.Tensor:
         """int64 [k]: the slots that hold a record (a host read: a slow path only)."""
-        return torch.nonzero(self.row_of[:-1] != self.records).reshape(-1)
+        return torch.nonzero(self.row_of[:-1] != self.rows).reshape(-1)

@@ -35,7 +35,7 @@ def accounted(store: SharedRaggedStore) -> None:
     records = store.records  # every record row is either on its free stack or one recorded slot's, once
     used = records.row_of[records.recorded_slots()].to(torch.int64)
     spare = records._free[: int(records.top)].to(torch.int64)
-    assert torch.cat([used, spare]).sort().values.tolist() == list(range(records.records))
+    assert torch.cat([used, spare]).sort().values.tolist() == list(range(records.rows))
 
 
 def test_a_new_row_adopts_the_full_prefix_another_rows_decisions_pruned():

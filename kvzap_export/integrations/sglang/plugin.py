@@ -37,8 +37,8 @@ from kvzap_export.errors import ConfigError, KvzapError
 from kvzap_export.integrations.host_reads import tallies
 from kvzap_export.integrations.sglang.api import SCORED_ATTENTION, api, sglang_module
 from kvzap_export.integrations.sglang.runtime import MODES, KVzapSGLang
-from kvzap_export.integrations.sglang.server_setup import (ServerSetup, graphs_problem, prefill_graphs_default, runner_problem,
-                                                           tp_group, tp_size_rank)
+from kvzap_export.integrations.sglang.server_setup import (ServerSetup, graphs_problem, prefill_graphs_default,
+                                                           runner_problem, tp_group, tp_size_rank)
 from kvzap_export.integrations.sglang.settings import (check_sglang_version, evict_frees_nothing,
                                                        pruned_fraction_from_env, threshold_from_env)
 
